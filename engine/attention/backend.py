@@ -1,0 +1,67 @@
+"""The attention backend interface: one object per engine, `prepare` once per step,
+`forward` once per layer.
+
+Semantics every backend implements (see metadata.py): query token j of sequence i sits at
+position p = context_lens[i] + j and attends to keys 0..p of its own sequence — positions
+below context_lens[i] from the paged cache, the rest from this step's fresh k/v. The fresh
+k/v are stored into the cache at slot_mapping (slots of -1 are skipped).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> object:
+        """Per-step precomputation shared by all layers (gather indices, masks...)."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        meta: AttentionMetadata,
+        prepared: object,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    valid: torch.Tensor | None,
+) -> None:
+    """Write this step's keys/values into the paged cache. `valid` selects tokens whose slot
+    is not -1 (None = all are valid)."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, KVH, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    if valid is None:
+        k_flat.index_copy_(0, slot_mapping, k)
+        v_flat.index_copy_(0, slot_mapping, v)
+    else:
+        slots = slot_mapping[valid]
+        k_flat.index_copy_(0, slots, k[valid])
+        v_flat.index_copy_(0, slots, v[valid])
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttention
+
+        return TorchAttention()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

@@ -1,0 +1,177 @@
+"""The one typed configuration: frozen dataclasses loaded from config.toml.
+
+Keys are unique across sections, so a flat keyword override (`policy="chunked"`) or a CLI
+flag (`--policy chunked`) finds its section without the caller naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+POLICIES = ("static", "continuous", "chunked")
+BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "smollm2-135m"
+    cache_dir: str = ""
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    device: str = "auto"
+    num_threads: int = 0
+    seed: int = 0
+
+    def validate(self) -> None:
+        _require(bool(self.model), "model", "must not be empty")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        _require(self.attention_backend in BACKENDS, "attention_backend", f"must be one of {BACKENDS}")
+        _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        _require(self.num_threads >= 0, "num_threads", "must be >= 0")
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        # The only place the environment is read for configuration.
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(xdg) / "stepwise"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "chunked"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    chunk_size: int = 192
+    batch_timeout_ms: int = 50
+    max_waiting: int = 1024
+
+    def validate(self) -> None:
+        _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
+        _require(self.batch_timeout_ms >= 0, "batch_timeout_ms", "must be >= 0")
+        _require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1536
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        _require(self.block_size >= 1, "block_size", "must be >= 1")
+        _require(self.num_blocks >= 1, "num_blocks", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    max_body_bytes: int = 1 << 20
+
+    def validate(self) -> None:
+        _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
+        _require(bool(self.host), "host", "must not be empty")
+        _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+
+
+SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        for name in SECTIONS:
+            getattr(self, name).validate()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = "config.toml", **overrides: Any) -> EngineConfig:
+        """Read `path` (None = built-in defaults), then apply flat keyword overrides."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                try:
+                    raw = tomllib.load(f)
+                except tomllib.TOMLDecodeError as e:
+                    raise ValueError(f"{path}: not valid TOML: {e}") from None
+        return cls.from_dict(raw, **overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> EngineConfig:
+        unknown = set(raw) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"unknown config section(s): {sorted(unknown)}; expected {list(SECTIONS)}")
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            values = dict(raw.get(name, {}))
+            known = {f.name for f in fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ValueError(f"unknown key(s) {sorted(bad)} in [{name}]; known: {sorted(known)}")
+            sections[name] = _build(section_cls, values)
+        return cls(**sections).with_overrides(**overrides)
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """A copy with flat keys replaced, e.g. `config.with_overrides(policy="static")`."""
+        updates: dict[str, dict[str, Any]] = {}
+        for key, value in overrides.items():
+            section = section_of(key)
+            updates.setdefault(section, {})[key] = value
+        changed = {}
+        for section, values in updates.items():
+            current = dataclasses.asdict(getattr(self, section))
+            current.update(values)
+            changed[section] = _build(SECTIONS[section], current)
+        return replace(self, **changed)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def section_of(key: str) -> str:
+    for name, section_cls in SECTIONS.items():
+        if key in {f.name for f in fields(section_cls)}:
+            return name
+    raise ValueError(f"unknown config key {key!r}")
+
+
+def all_keys() -> dict[str, tuple[str, type]]:
+    """key -> (section, python type); used to build CLI flags 1:1."""
+    out = {}
+    for name, section_cls in SECTIONS.items():
+        hints = get_type_hints(section_cls)
+        for f in fields(section_cls):
+            out[f.name] = (name, hints[f.name])
+    return out
+
+
+def _build(section_cls: type, values: dict[str, Any]) -> Any:
+    hints = get_type_hints(section_cls)
+    for key, value in values.items():
+        expected = hints[key]
+        # bool is an int subclass: check it first so `port = true` is refused.
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    return section_cls(**values)
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"config key {key!r} {why}")

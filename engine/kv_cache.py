@@ -1,0 +1,41 @@
+"""The paged KV cache: one preallocated tensor, owned by the step executor.
+
+Layout [layers, 2, num_blocks, block_size, kv_heads, head_dim]: a block is `block_size`
+consecutive positions of one sequence; a token's slot is block * block_size + offset.
+The block manager decides which blocks belong to whom; this module only holds the memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # zeros, not empty: pages are touched now, so RSS at start shows the real footprint
+        self.data = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of layer i, each [num_blocks, block_size, KVH, D]."""
+        return self.data[i, 0], self.data[i, 1]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

