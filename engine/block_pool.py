@@ -1,0 +1,156 @@
+"""The KV block pool: allocation, reference counts and prefix caching, as plain logic.
+
+A full block is identified by a hash chained with its predecessor's (so equal hashes mean
+equal whole prefixes). Blocks whose last owner left keep their hash and sit in an LRU list:
+a later request with the same prefix takes them back for free; a request needing fresh
+blocks evicts the least recently freed one. The block manager actor owns one BlockPool;
+property tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass
+class Allocation:
+    block_table: list[int]
+    num_cached_tokens: int  # leading tokens whose KV is already in the cache
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, still hashed: LRU first
+        self.block_hash: dict[int, int] = {}
+        self.cached: dict[int, int] = {}  # hash -> block
+        self.tables: dict[str, list[int]] = {}
+        self.num_hashed: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.last_hash: dict[str, int | None] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # --- figures ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- allocation -----------------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None) -> Allocation | None:
+        """Make `request_id` own enough blocks for `num_tokens` tokens. A request's first
+        allocation looks up its prefix among `token_ids`. None (and no change) if the pool
+        cannot supply the blocks."""
+        table = self.tables.get(request_id)
+        hits: list[int] = []
+        if table is None:
+            table = []
+            if token_ids is not None and self.enable_prefix_caching:
+                hits = self._lookup(token_ids)
+                self.num_queried_tokens += len(token_ids)
+        needed = self.blocks_for(num_tokens) - len(table) - len(hits)
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)
+        if needed > self.num_free_blocks - revived:
+            return None
+        if request_id not in self.tables:
+            self.tables[request_id] = table
+            self.num_hashed[request_id] = len(hits)
+            self.last_hash[request_id] = self.block_hash[hits[-1]] if hits else None
+            self.num_hit_tokens += len(hits) * self.block_size
+        for b in hits:
+            if self.ref_count[b] == 0:
+                del self.evictable[b]
+            self.ref_count[b] += 1
+            table.append(b)
+        for _ in range(max(0, needed)):
+            table.append(self._take_fresh())
+        return Allocation(list(table), len(hits) * self.block_size)
+
+    def _lookup(self, token_ids: list[int]) -> list[int]:
+        # Never hit the block holding the last token: it must be computed to get logits.
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits, parent = [], None
+        for i in range(max_blocks):
+            h = hash((parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def _take_fresh(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash.pop(block)]
+        self.ref_count[block] = 1
+        return block
+
+    def commit(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Record that the first `num_computed` tokens' KV is in the cache: hash the blocks
+        that became full so later requests can share them."""
+        if not self.enable_prefix_caching or request_id not in self.tables:
+            return
+        table = self.tables[request_id]
+        start = self.num_hashed[request_id]
+        parent = self.last_hash[request_id]
+        end = min(num_computed // self.block_size, len(table))
+        for i in range(start, end):
+            parent = hash((parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+            block = table[i]
+            if parent not in self.cached and block not in self.block_hash:
+                self.cached[parent] = block
+                self.block_hash[block] = parent
+        self.num_hashed[request_id] = max(start, end)
+        self.last_hash[request_id] = parent
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
+        self.num_hashed.pop(request_id, None)
+        self.last_hash.pop(request_id, None)
+        if table is None:
+            return
+        # Tail first: the LRU then evicts a prefix's tail before its (more shareable) head.
+        for block in reversed(table):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} freed twice"
+            if self.ref_count[block] == 0:
+                if block in self.block_hash:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
+
+    def check_invariants(self) -> None:
+        owned: dict[int, int] = {}
+        for table in self.tables.values():
+            for b in table:
+                owned[b] = owned.get(b, 0) + 1
+        for b in range(self.num_blocks):
+            assert self.ref_count[b] == owned.get(b, 0), f"block {b}: refcount {self.ref_count[b]} != owners"
+        idle = set(self.free_blocks) | set(self.evictable)
+        assert len(idle) == len(self.free_blocks) + len(self.evictable), "a block is listed free twice"
+        assert idle.isdisjoint(owned), "an owned block is on a free list"
+        assert len(idle) + len(owned) == self.num_blocks, "a block is lost"

@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only when it is final: a token that ends inside a multi-byte UTF-8
+character decodes to U+FFFD and is held until the character completes; text that could be
+the start of a stop string is held until it is known not to be one, and a stop string found
+(even across token boundaries) is cut together with everything after it.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 5  # prompt tokens decoded alongside, so the first output token gets its spacing right
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.text = ""  # decoded output text (cut at a stop string once one is found)
+        self.num_emitted = 0
+        self.hit_stop = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> None:
+        if self.hit_stop:
+            return
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
+            return  # incomplete character (or nothing printable yet): wait for more tokens
+        self.text += full_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._find_stop()
+
+    def _find_stop(self) -> None:
+        if not self.stop:
+            return
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self.num_emitted - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.hit_stop = True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of unreleased text that starts some stop string."""
+        if self.hit_stop or not self.stop:
+            return 0
+        tail = self.text[self.num_emitted :]
+        for n in range(min(len(tail), max(len(s) for s in self.stop) - 1), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self.stop):
+                return n
+        return 0
+
+    def take(self, final: bool = False) -> str:
+        """Text that is safe to send now (everything left, when `final`)."""
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        delta = self.text[self.num_emitted : end]
+        self.num_emitted = max(self.num_emitted, end)
+        return delta

@@ -1,0 +1,212 @@
+"""The engine as an async library: wires the four actors and exposes generate/abort/steps.
+
+    async with Engine(EngineConfig.load("config.toml")) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text, end="")
+
+Actors (one asyncio task each, talking through queues): intake → scheduler ⇄ block manager,
+scheduler ⇄ executor. No global state: several engines can live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import torch
+
+from engine.attention.backend import get_backend
+from engine.block_manager import BlockManager, BlockManagerClient, Stop
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, RequestError
+from engine.executor import Executor
+from engine.intake import Intake
+from engine.kv_cache import KVCache
+from engine.messages import AbortRequest, EngineSnapshot, RequestOutput, Shutdown, StepPlan, StepRecord, Submit
+from engine.model.llama import LlamaModel
+from engine.model.loader import LoadedModel, load_model
+from engine.policies import make_policy
+from engine.request import SamplingParams
+from engine.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STEP_SUBSCRIBER_BUFFER = 2048
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        fault_hook: Callable[[StepPlan], None] | None = None,
+    ):
+        self.config = config or EngineConfig()
+        self._loaded = loaded  # reuse an already loaded model (tests, benchmarks)
+        self._fault_hook = fault_hook
+        self._tasks: list[asyncio.Task] = []
+        self._subscribers: set[asyncio.Queue] = set()
+        self._ids = itertools.count()
+        self._live: dict[str, object] = {}  # request id -> Request, between submit and stream end
+        self.ready = False
+        self.dead: str | None = None
+        self.tokenizer = None
+        self.model_name = self.config.server.served_model_name
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> Engine:
+        cfg = self.config
+        device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if cfg.model.device == "auto" else cfg.model.device)
+        if cfg.model.num_threads:
+            torch.set_num_threads(cfg.model.num_threads)
+        dtype = DTYPES[cfg.model.dtype]
+        loaded = self._loaded or await asyncio.to_thread(
+            load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype
+        )
+        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, get_backend(cfg.model.attention_backend, device), device)
+        shape = model.shape
+        kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
+                           shape.head_dim, dtype, device)
+        print(f"[stepwise] model {loaded.name} on {device}; KV pool {cfg.cache.num_blocks} blocks x "
+              f"{cfg.cache.block_size} tokens = {kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = shape.max_position
+        self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.executor = Executor(model, kv_cache, self._fault_hook)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.scheduler = Scheduler(
+            make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager), self.executor.execute,
+            self._broadcast, pad,
+        )
+        self.intake = Intake(
+            self.tokenizer, self.scheduler.inbox, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
+            cfg.scheduler.max_waiting, lambda: len(self.scheduler.snapshot.waiting),
+        )
+        for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
+                            ("scheduler", self.scheduler), ("intake", self.intake)]:
+            task = asyncio.create_task(actor.run(), name=f"stepwise-{name}")
+            task.add_done_callback(self._on_actor_exit)
+            self._tasks.append(task)
+        self.ready = True
+        return self
+
+    def _on_actor_exit(self, task: asyncio.Task) -> None:
+        if self.dead:
+            return
+        if task.cancelled():
+            self.dead = f"{task.get_name()} was cancelled"
+        elif task.exception() is not None:
+            self.dead = f"{task.get_name()} crashed: {task.exception()!r}"
+        else:
+            self.dead = self.scheduler.dead or f"{task.get_name()} stopped"
+        self.ready = False
+
+    async def stop(self) -> None:
+        if not self._tasks:
+            return
+        self.ready = False
+        self.dead = self.dead or "engine stopped"
+        self.scheduler.inbox.put_nowait(Shutdown("engine stopped"))
+        self.intake.inbox.put_nowait(Shutdown())
+        await asyncio.wait([t for t in self._tasks if t.get_name() in ("stepwise-scheduler", "stepwise-intake")],
+                           timeout=30)
+        self.executor.inbox.put_nowait(Shutdown())
+        self.block_manager.inbox.put_nowait(Stop())
+        await asyncio.wait(self._tasks, timeout=30)
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        for q in self._subscribers:
+            q.put_nowait(None)
+
+    async def __aenter__(self) -> Engine:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # --- requests -----------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and enqueue a request; return its id. Raises RequestError,
+        ContextLengthError, QueueFullError or EngineDeadError."""
+        if self.dead or not self.ready:
+            raise EngineDeadError(self.dead or "engine is not started")
+        if (prompt is None) == (messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        reply = asyncio.get_running_loop().create_future()
+        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), reply))
+        request = await reply
+        self._live[request_id] = request
+        return request_id
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs (deltas). Leaving the loop early aborts the request."""
+        request_id = await self.submit(prompt, params, messages=messages, request_id=request_id)
+        async for out in self.stream(request_id):
+            yield out
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        request = self._live[request_id]
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await request.outputs.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._live.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._tasks:
+            self.scheduler.inbox.put_nowait(AbortRequest(request_id))
+
+    # --- observation --------------------------------------------------------------------
+
+    def _broadcast(self, record: StepRecord) -> None:
+        for q in self._subscribers:
+            if q.full():
+                q.get_nowait()  # a slow subscriber loses its oldest record, never blocks the engine
+            q.put_nowait(record)
+
+    async def steps(self) -> AsyncIterator[StepRecord]:
+        """Every StepRecord from now on, until the engine stops."""
+        q: asyncio.Queue = asyncio.Queue(STEP_SUBSCRIBER_BUFFER)
+        self._subscribers.add(q)
+        try:
+            while (record := await q.get()) is not None:
+                yield record
+        finally:
+            self._subscribers.discard(q)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Queues as of the scheduler's last turn; KV figures as of now."""
+        kv = self.block_manager.figures
+        return msgspec.structs.replace(
+            self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate
+        )

@@ -1,0 +1,108 @@
+"""The step executor actor: owns the model and the KV cache memory.
+
+It turns a StepPlan into the flattened batch (token ids, positions, slot mapping, block
+tables), runs the forward and the sampler in its own worker thread — the event loop keeps
+serving HTTP and the monitor during a long step — and answers with the sampled tokens. A
+step that raises is reported as a failed StepResult; the actor itself carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.messages import Execute, ExecutorMsg, Shutdown, StepPlan, StepResult
+from engine.model.llama import LlamaModel
+from engine.sampler import sample
+
+
+class Executor:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, fault_hook: Callable[[StepPlan], None] | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        # Test hook: called in the worker thread before each step; may raise to fail it.
+        self.fault_hook = fault_hook
+        self.inbox: asyncio.Queue[ExecutorMsg] = asyncio.Queue()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-step")
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        reply = asyncio.get_running_loop().create_future()
+        self.inbox.put_nowait(Execute(plan, reply))
+        return await reply
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                match await self.inbox.get():
+                    case Execute(plan, reply):
+                        result = await loop.run_in_executor(self._thread, self._run_step, plan)
+                        if not reply.done():
+                            reply.set_result(result)
+                    case Shutdown():
+                        return
+        finally:
+            self._thread.shutdown(wait=True)
+
+    def _run_step(self, plan: StepPlan) -> StepResult:
+        start_wall, start = time.time(), time.perf_counter()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(plan)
+            sampled = self.run_plan(plan)
+            error = None
+        except Exception as e:  # one bad step fails its requests, not the engine
+            sampled, error = {}, f"{type(e).__name__}: {e}"
+        return StepResult(
+            step=plan.step, sampled=sampled, start_time=start_wall, duration_s=time.perf_counter() - start, error=error
+        )
+
+    def run_plan(self, plan: StepPlan) -> dict[str, int]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for item in plan.items:
+            n = len(item.token_ids)
+            pos = range(item.start_pos, item.start_pos + n)
+            ids += item.token_ids
+            positions += pos
+            if item.block_table:
+                table = item.block_table
+                slots += [table[p // bs] * bs + p % bs for p in pos]
+            else:
+                slots += [-1] * n  # padding: computed, never stored
+            logits_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(
+            query_lens=[len(i.token_ids) for i in plan.items],
+            context_lens=[i.start_pos for i in plan.items],
+            block_tables=[i.block_table for i in plan.items],
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.model.device,
+        )
+        device = self.model.device
+        sampling = [i for i, item in enumerate(plan.items) if item.sample]
+        rows = torch.tensor([logits_rows[i] for i in sampling], device=device)
+        logits = self.model.forward(
+            torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta, self.kv_cache, rows
+        )  # [S, V]
+        if not sampling:
+            return {}
+        chosen = [plan.items[i] for i in sampling]
+        tokens = sample(
+            logits.cpu(),
+            [c.temperature for c in chosen],
+            [c.top_k for c in chosen],
+            [c.top_p for c in chosen],
+            [c.generator for c in chosen],
+        )
+        return {c.request_id: t for c, t in zip(chosen, tokens)}

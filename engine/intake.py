@@ -1,0 +1,107 @@
+"""The intake actor: validates and tokenizes requests, then hands them to the scheduler.
+
+Everything that can be refused is refused here, before a request touches the engine: bad
+sampling parameters, an empty or too long prompt, a prompt that could never fit the KV
+pool, a full waiting queue. Long prompts are tokenized on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.detokenizer import Detokenizer
+from engine.errors import ContextLengthError, QueueFullError, RequestError
+from engine.messages import AddRequest, IntakeMsg, Shutdown, Submit
+from engine.request import Request
+
+LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
+
+
+class Intake:
+    def __init__(
+        self,
+        tokenizer,
+        scheduler_inbox: asyncio.Queue,
+        max_model_len: int,
+        kv_capacity_tokens: int,
+        max_waiting: int,
+        num_waiting: Callable[[], int],
+    ):
+        self.tokenizer = tokenizer
+        self.scheduler_inbox = scheduler_inbox
+        self.max_model_len = max_model_len
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_waiting = max_waiting
+        self.num_waiting = num_waiting
+        self.vocab_size = len(tokenizer)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.inbox: asyncio.Queue[IntakeMsg] = asyncio.Queue()
+        self._arrivals = itertools.count()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
+
+    async def run(self) -> None:
+        try:
+            while True:
+                match await self.inbox.get():
+                    case Submit() as msg:
+                        try:
+                            request = await self._admit(msg)
+                        except Exception as e:  # refused: the caller gets the reason
+                            if not msg.reply.done():
+                                msg.reply.set_exception(e)
+                            continue
+                        self.scheduler_inbox.put_nowait(AddRequest(request))
+                        if not msg.reply.done():
+                            msg.reply.set_result(request)
+                    case Shutdown():
+                        return
+        finally:
+            self._thread.shutdown(wait=False)
+
+    async def _admit(self, msg: Submit) -> Request:
+        msg.params.validate()
+        if self.num_waiting() >= self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
+        ids = await self._tokenize(msg)
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        total = len(ids) + msg.params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(ids)} in the prompt, {msg.params.max_tokens} for the completion). "
+                "Please reduce the length of the prompt or max_tokens.",
+                "prompt" if len(ids) >= self.max_model_len else "max_tokens",
+            )
+        if total > self.kv_capacity_tokens:
+            raise ContextLengthError(
+                f"request needs {total} tokens of KV cache ({len(ids)} prompt + {msg.params.max_tokens} "
+                f"completion) but the whole pool holds {self.kv_capacity_tokens}; it could never run",
+                "max_tokens",
+            )
+        detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals))
+
+    async def _tokenize(self, msg: Submit) -> list[int]:
+        if msg.messages is not None:
+            if not isinstance(msg.messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msg.messages
+            ):
+                raise RequestError("messages must be a list of {role: str, content: str}", "messages")
+            text = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=False)
+        elif isinstance(msg.prompt, list):
+            return list(msg.prompt)
+        elif isinstance(msg.prompt, str):
+            text = msg.prompt
+        else:
+            raise RequestError("prompt must be a string or a list of token ids", "prompt")
+        if len(text) <= LONG_PROMPT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, lambda: self.tokenizer.encode(text, add_special_tokens=False))

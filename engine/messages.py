@@ -1,0 +1,151 @@
+"""Typed messages between the actors, and the public records they publish.
+
+Inbox messages are msgspec Structs grouped in tagged unions and dispatched with `match`.
+Some carry a reply `asyncio.Future` or a live `Request` object: those never leave the
+process, so they are plain Python references inside the Struct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import msgspec
+
+from engine.request import Request, SamplingParams
+
+# --- public records (serialisable: the HTTP frontend streams them as JSON) ------------------
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    text: str  # new since the previous output
+    token_ids: list[int]  # new since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+Kind = Literal["prefill", "decode", "padding"]
+
+
+class StepItem(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    kind: Kind
+    num_tokens: int
+    position: int  # position of the first token of this item
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    start_time: float  # unix time the step started
+    duration_s: float
+    policy: str
+    token_budget: int
+    items: list[StepItem]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_padding_tokens: int
+    num_cached_tokens: int  # prompt tokens skipped this step thanks to the prefix cache
+    num_waiting: int
+    num_running: int
+    kv_usage: float  # fraction of KV blocks in use after the step
+    num_preemptions: int  # cumulative
+    error: str | None = None
+
+
+class RequestSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_generated_tokens: int
+    max_tokens: int
+    priority: int
+
+
+class EngineSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    policy: str
+    step: int
+    running: list[RequestSnapshot]
+    waiting: list[RequestSnapshot]
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+
+
+# --- the plan the scheduler hands the executor ---------------------------------------------
+
+
+class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    kind: Kind
+    token_ids: list[int]  # the tokens fed this step
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]  # empty for padding (its KV is not stored)
+    sample: bool  # does this item end at the request's last known token?
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: Any = None  # the request's torch.Generator
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    items: list[PlanItem]
+    token_budget: int
+    num_cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    sampled: dict[str, int]  # request id -> new token
+    start_time: float
+    duration_s: float
+    error: str | None = None  # the step failed: every request in it ends with "error"
+
+
+# --- inboxes --------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request: Request
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    reason: str = "shutdown"
+
+
+SchedulerMsg = AddRequest | AbortRequest | Shutdown
+
+
+class Submit(msgspec.Struct, tag=True):
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    reply: asyncio.Future  # -> Request, or an exception
+
+
+IntakeMsg = Submit | Shutdown
+
+
+class Execute(msgspec.Struct, tag=True):
+    plan: StepPlan
+    reply: asyncio.Future  # -> StepResult
+
+
+ExecutorMsg = Execute | Shutdown

@@ -1,0 +1,118 @@
+"""A request's sampling parameters (a value) and its scheduling state (owned by the scheduler)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+import msgspec
+import torch
+
+from engine.detokenizer import Detokenizer
+from engine.errors import RequestError
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    priority: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise RequestError("at most 16 stop strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise RequestError(f"priority must be an integer, got {self.priority!r}", "priority")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable scheduling state. Owned by the scheduler actor from the moment intake hands it
+    over; others see it only through published snapshots and RequestOutputs."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: Detokenizer,
+        eos_token_id: int | None,
+        arrival: int,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.detokenizer = detokenizer
+        self.eos_token_id = eos_token_id
+        self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.num_preemptions = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.params.priority, self.arrival)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def stop_reason(self) -> str | None:
+        """After appending a token: why the request should stop, if it should."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last == self.eos_token_id:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if self.detokenizer.hit_stop:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        return None

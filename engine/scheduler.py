@@ -1,0 +1,318 @@
+"""The scheduler actor: owns the waiting and running queues and every request's progress.
+
+Its loop is the algorithm: take messages → ask the policy for a plan → have the executor
+run it → update requests with the sampled tokens → publish a StepRecord. KV blocks are asked
+of the block manager; when it cannot allocate, the scheduler preempts the newest running
+request (recompute: its blocks are freed and it goes back to the waiting queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections.abc import Callable
+
+from engine.block_manager import BlockManagerClient
+from engine.messages import (
+    AbortRequest, AddRequest, EngineSnapshot, PlanItem, RequestOutput, RequestSnapshot, SchedulerMsg, Shutdown,
+    StepItem, StepPlan, StepRecord, StepResult,
+)
+from engine.policies import Decision, Idle, Policy
+from engine.request import Request, Status
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: Policy,
+        kv: BlockManagerClient,
+        execute: Callable[[StepPlan], "asyncio.Future[StepResult]"],
+        publish: Callable[[StepRecord], None],
+        pad_token_id: int,
+    ):
+        self.policy = policy
+        self.kv = kv
+        self.execute = execute
+        self.publish = publish
+        self.pad_token_id = pad_token_id
+        self.inbox: asyncio.Queue[SchedulerMsg] = asyncio.Queue()
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.block_tables: dict[str, list[int]] = {}  # copies of what the block manager granted
+        self.early_aborts: set[str] = set()
+        self.step = 0
+        self.num_preemptions = 0
+        self.preempted_this_step = False
+        self.consecutive_failures = 0
+        self.dead: str | None = None
+        self._cached_this_step = 0  # prefix-cache hits of the step being planned
+        self.snapshot = self._snapshot()
+
+    # --- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        timeout: float | None = None
+        while True:
+            # self.requests also holds finished requests a static batch still keeps
+            if not await self._receive(block=not self.requests, timeout=timeout):
+                return
+            timeout = None
+            self.preempted_this_step = False
+            plan = await self.policy.schedule(self)
+            if isinstance(plan, Idle):
+                timeout = plan.timeout_s
+                if timeout is None and self.requests:
+                    timeout = 0.05  # blocked on KV: wait for a free or an abort
+                if not await self._receive(block=True, timeout=timeout):
+                    return
+                continue
+            step_plan = self._make_plan(plan)
+            result = await self.execute(step_plan)
+            self._update(plan, result)
+            await self._publish(step_plan, result)
+            if self.dead:
+                self._fail_all(self.dead)
+                return
+
+    async def _receive(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply pending messages (waiting for one if `block`). False = shut down."""
+        if block:
+            try:
+                msg = await asyncio.wait_for(self.inbox.get(), timeout)
+            except TimeoutError:
+                return True
+            if not self._apply(msg):
+                return False
+        while not self.inbox.empty():
+            if not self._apply(self.inbox.get_nowait()):
+                return False
+        self.snapshot = self._snapshot()
+        return True
+
+    def _apply(self, msg: SchedulerMsg) -> bool:
+        match msg:
+            case AddRequest(request):
+                if request.request_id in self.early_aborts:
+                    self.early_aborts.discard(request.request_id)
+                    self._finish(request, "abort")
+                else:
+                    self.requests[request.request_id] = request
+                    self._enqueue(request)
+            case AbortRequest(request_id):
+                req = self.requests.get(request_id)
+                if req is None:
+                    self.early_aborts.add(request_id)
+                elif not req.is_finished:
+                    self._remove(req)
+                    self._finish(req, "abort")
+                elif self.policy.hold_finished(req):
+                    self.release(req)  # finished but held by static batching: let it go now
+                    self.policy.forget(req)
+            case Shutdown(reason):
+                self._fail_all(reason)
+                return False
+        return True
+
+    # --- helpers the policies call ----------------------------------------------------
+
+    def running_in_order(self) -> list[Request]:
+        return sorted(self.running, key=lambda r: r.sort_key)
+
+    def is_running(self, req: Request) -> bool:
+        return req.status is Status.RUNNING
+
+    async def reserve(self, req: Request, num_new_tokens: int, scheduled: list[Decision]) -> bool:
+        """Make room for a running request's next tokens, preempting the newest running
+        request not yet scheduled this step when the pool is dry. False if `req` itself had
+        to be preempted."""
+        taken = {id(d.request) for d in scheduled}
+        while True:
+            alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + num_new_tokens)
+            if alloc is not None:
+                self.block_tables[req.request_id] = alloc.block_table
+                return True
+            victims = [r for r in self.running if id(r) not in taken]
+            victim = max(victims, key=lambda r: r.sort_key)
+            self._preempt(victim)
+            if victim is req:
+                return False
+
+    async def admit(self, req: Request, max_new_tokens: int) -> int:
+        """Try to move the head of the waiting queue to running with up to
+        `max_new_tokens` tokens to compute; returns how many were granted (0 = no room)."""
+        tokens = req.all_token_ids
+        lookup = tokens if self.policy.uses_prefix_cache else None
+        first = await self.kv.allocate(req.request_id, 1, lookup)
+        if first is None:
+            return 0
+        req.num_computed_tokens = first.num_cached_tokens
+        n = min(max_new_tokens, req.num_tokens - req.num_computed_tokens)
+        alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+        if alloc is None:
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            return 0
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = first.num_cached_tokens
+        self.block_tables[req.request_id] = alloc.block_table
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self._cached_this_step += first.num_cached_tokens
+        return n
+
+    def release(self, req: Request, new_tokens: list[int] | None = None) -> None:
+        """A finished request leaves: free its blocks, deliver its final output."""
+        self.kv.free(req.request_id)
+        self.block_tables.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        self._emit(req, new_tokens or [], final=True)
+
+    # --- state changes ----------------------------------------------------------------
+
+    def _enqueue(self, req: Request) -> None:
+        req.status = Status.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        self.block_tables.pop(req.request_id, None)
+        self.policy.forget(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted_this_step = True
+        self._enqueue(req)
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.policy.forget(req)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, new_tokens: list[int] | None = None) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        if reason not in ("abort", "error") and self.policy.hold_finished(req):
+            self._emit(req, new_tokens or [], final=False)  # static batching: final output when the batch ends
+            return
+        self.release(req, new_tokens)
+
+    def _fail_all(self, reason: str) -> None:
+        for req in list(self.requests.values()):
+            self._remove(req)
+            if req.is_finished:
+                self.release(req)  # held by static batching
+            else:
+                self._finish(req, "error", reason)
+
+    # --- plan and update --------------------------------------------------------------
+
+    def _make_plan(self, decisions: list[Decision]) -> StepPlan:
+        self.step += 1
+        items = []
+        for d in decisions:
+            req = d.request
+            if d.padding:
+                items.append(PlanItem(
+                    request_id=req.request_id, kind="padding", token_ids=[self.pad_token_id] * d.num_tokens,
+                    start_pos=0, block_table=[], sample=False,
+                ))
+                continue
+            start = req.num_computed_tokens
+            sample = start + d.num_tokens == req.num_tokens
+            kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
+            p = req.params
+            items.append(PlanItem(
+                request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens],
+                start_pos=start, block_table=self.block_tables[req.request_id], sample=sample,
+                temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
+            ))
+        cached, self._cached_this_step = self._cached_this_step, 0
+        return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
+
+    def _update(self, decisions: list[Decision], result: StepResult) -> None:
+        commits = []
+        for d in decisions:
+            req = d.request
+            if d.padding or req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens += d.num_tokens
+            commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
+        self.kv.commit(commits)
+        if result.error is not None:
+            self.consecutive_failures += 1
+            for d in decisions:
+                if not d.padding and d.request.status is Status.RUNNING:
+                    self._remove(d.request)
+                    self._finish(d.request, "error", result.error)
+            if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self.dead = f"executor failed {self.consecutive_failures} steps in a row: {result.error}"
+            return
+        self.consecutive_failures = 0
+        now = time.monotonic()
+        for request_id, token in result.sampled.items():
+            req = self.requests.get(request_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            req.output_token_ids.append(token)
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            req.detokenizer.push(token)
+            reason = req.stop_reason()
+            if reason is None:
+                self._emit(req, [token], final=False)
+            else:
+                self.running.remove(req)
+                self._finish(req, reason, new_tokens=[token])
+
+    def _emit(self, req: Request, new_tokens: list[int], final: bool) -> None:
+        text = req.detokenizer.take(final=final or req.is_finished)
+        if not (final or new_tokens or text):
+            return
+        req.outputs.put_nowait(RequestOutput(
+            request_id=req.request_id, text=text, token_ids=new_tokens, finished=final,
+            finish_reason=req.finish_reason if final else None, num_prompt_tokens=req.num_prompt_tokens,
+            num_generated_tokens=len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens,
+            error=req.error if final else None,
+        ))
+
+    async def _publish(self, plan: StepPlan, result: StepResult) -> None:
+        figures = await self.kv.sync()
+        kinds = {"prefill": 0, "decode": 0, "padding": 0}
+        items = []
+        for it in plan.items:
+            kinds[it.kind] += len(it.token_ids)
+            items.append(StepItem(it.request_id, it.kind, len(it.token_ids), it.start_pos))
+        self.snapshot = self._snapshot(figures)
+        self.publish(StepRecord(
+            step=plan.step, start_time=result.start_time, duration_s=result.duration_s, policy=self.policy.name,
+            token_budget=plan.token_budget, items=items, num_prefill_tokens=kinds["prefill"],
+            num_decode_tokens=kinds["decode"], num_padding_tokens=kinds["padding"],
+            num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),
+            kv_usage=figures.usage, num_preemptions=self.num_preemptions, error=result.error,
+        ))
+
+    def _snapshot(self, figures=None) -> EngineSnapshot:
+        figures = figures or self.kv.figures
+
+        def snap(r: Request) -> RequestSnapshot:
+            return RequestSnapshot(
+                request_id=r.request_id, status=r.status.value, num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens, num_generated_tokens=len(r.output_token_ids),
+                max_tokens=r.params.max_tokens, priority=r.params.priority,
+            )
+
+        return EngineSnapshot(
+            policy=self.policy.name, step=self.step, running=[snap(r) for r in self.running],
+            waiting=[snap(r) for r in self.waiting], kv_usage=figures.usage, num_blocks=figures.num_blocks,
+            num_free_blocks=figures.num_free_blocks, num_preemptions=self.num_preemptions,
+            prefix_cache_hit_rate=figures.hit_rate,
+        )

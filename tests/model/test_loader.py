@@ -1,0 +1,129 @@
+"""Model loading: clear errors, a local Hugging Face directory, the GGUF conversion cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.torch_backend import TorchAttention
+from engine.config import EngineConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import ModelLoadError, convert_gguf, load_model, locate_wheel_gguf
+from tests.paged import PagedRunner
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_missing_path_names_what_was_tried(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(missing), tmp_path / "cache")
+    msg = str(err.value)
+    assert str(missing) in msg
+    assert "smollm2-135m" in msg and "tiny-random" in msg
+    assert ".gguf" in msg and "Hugging Face directory" in msg
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(str(tmp_path), tmp_path / "cache")
+
+
+def test_unsupported_architecture(tmp_path):
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(model_dir), tmp_path / "cache")
+    msg = str(err.value)
+    assert "unsupported architecture" in msg and "GPT2LMHeadModel" in msg
+    assert "LlamaForCausalLM" in msg  # says what is supported
+
+
+def test_local_hf_directory_round_trip(tmp_path, tiny_model, tiny_ours):
+    tiny_model.hf_model.save_pretrained(tmp_path)
+    tiny_model.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), tmp_path / "cache")
+    assert loaded.name == tmp_path.name
+    for name, tensor in tiny_model.hf_model.state_dict().items():
+        torch.testing.assert_close(loaded.hf_model.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
+
+    text = "round trip: 你好"
+    assert loaded.tokenizer(text)["input_ids"] == tiny_model.tokenizer(text)["input_ids"]
+    prompt = loaded.tokenizer(text)["input_ids"]
+    reloaded = LlamaModel(loaded.hf_model, TorchAttention())
+    got = PagedRunner(reloaded, num_blocks=8).step([(0, prompt)])
+    want = PagedRunner(tiny_ours, num_blocks=8).step([(0, prompt)])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with torch.inference_mode():
+        hf = loaded.hf_model(torch.tensor([prompt])).logits[0, -1].float()
+    torch.testing.assert_close(got[0], hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.real_model
+def test_gguf_conversion_is_cached(real_model):
+    # real_model has converted (or found) the GGUF in the shared cache dir already.
+    cache_dir = EngineConfig.load(REPO_ROOT / "config.toml").model.resolved_cache_dir()
+    gguf = locate_wheel_gguf()
+    first = convert_gguf(gguf, cache_dir)
+    assert (first / "done").is_file() and (first / "config.json").is_file()
+    weights = first / "model.safetensors"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+
+    start = time.perf_counter()
+    second = convert_gguf(gguf, cache_dir)
+    elapsed = time.perf_counter() - start
+
+    assert second == first
+    assert elapsed < 1.0, f"cache hit took {elapsed:.2f}s: reconverted?"
+    assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == mtimes
+    assert weights.stat().st_size > 100_000_000  # dequantized fp32 weights, not a stub
+    assert not first.with_name(first.name + ".tmp").exists()
+
+
+def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_model):
+    """With the dequantizer stubbed out: the first call converts, the second only finds the
+    `done` marker; a changed GGUF (new mtime) gets a fresh directory."""
+    import engine.model.loader as loader
+
+    calls = []
+
+    def fake_model(*args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        return tiny_model.hf_model
+
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_model.tokenizer)
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    cache = tmp_path / "cache"
+
+    first = convert_gguf(gguf, cache)
+    assert calls == ["fake.gguf"]
+    assert (first / "done").is_file() and first.parent == cache
+    marker_mtime = (first / "done").stat().st_mtime_ns
+
+    assert convert_gguf(gguf, cache) == first
+    assert calls == ["fake.gguf"], "cache hit must not reconvert"
+    assert (first / "done").stat().st_mtime_ns == marker_mtime
+
+    # A half-finished conversion (no `done`) is redone, not trusted.
+    (first / "done").unlink()
+    assert convert_gguf(gguf, cache) == first
+    assert len(calls) == 2 and (first / "done").is_file()
+
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    third = convert_gguf(gguf, cache)
+    assert third != first and len(calls) == 3
+
+    # The converted directory loads (real from_pretrained) as a plain HF directory, same weights.
+    monkeypatch.undo()
+    loaded = load_model(str(first), tmp_path / "unused")
+    for name, tensor in tiny_model.hf_model.state_dict().items():
+        torch.testing.assert_close(loaded.hf_model.state_dict()[name], tensor, atol=0, rtol=0, msg=name)

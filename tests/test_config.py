@@ -1,0 +1,117 @@
+"""EngineConfig: defaults from config.toml, flat keyword overrides, errors that name the key."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from engine.config import SECTIONS, EngineConfig, all_keys, section_of
+
+CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+def test_defaults_load_from_config_toml():
+    config = EngineConfig.load(CONFIG)
+    assert config.model.model == "smollm2-135m"
+    assert config.model.dtype == "float32"
+    assert config.scheduler.policy == "chunked"
+    assert config.scheduler.max_num_seqs == 64
+    assert config.cache.block_size == 16
+    assert config.cache.enable_prefix_caching is True
+    assert config.server.port == 8000
+    # The shipped file and the dataclass defaults agree, and the file lists every key.
+    assert config == EngineConfig() == EngineConfig.load(None)
+    raw = tomllib.loads(CONFIG.read_text())
+    assert set(raw) == set(SECTIONS)
+    for name, section_cls in SECTIONS.items():
+        assert set(raw[name]) == {f.name for f in fields(section_cls)}, name
+
+
+def test_keys_are_unique_across_sections():
+    names = [f.name for section_cls in SECTIONS.values() for f in fields(section_cls)]
+    assert len(names) == len(set(names))
+    assert set(all_keys()) == set(names)
+    assert section_of("policy") == "scheduler" and section_of("port") == "server"
+
+
+def test_keyword_overrides():
+    config = EngineConfig.load(CONFIG, policy="static", port=9000, block_size=32, model="tiny-random")
+    assert config.scheduler.policy == "static"
+    assert config.server.port == 9000
+    assert config.cache.block_size == 32
+    assert config.model.model == "tiny-random"
+    # untouched keys keep their file values
+    assert config.scheduler.max_num_seqs == 64 and config.cache.num_blocks == 1536
+    again = config.with_overrides(policy="continuous")
+    assert again.scheduler.policy == "continuous" and config.scheduler.policy == "static"  # frozen copy
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        ({"policy": "fast"}, "policy"),
+        ({"port": "8000"}, "port"),
+        ({"port": True}, "port"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"no_such_key": 1}, "no_such_key"),
+    ],
+)
+def test_bad_keyword_override_names_the_key(overrides, key):
+    with pytest.raises(ValueError, match=key):
+        EngineConfig.load(CONFIG, **overrides)
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text,names",
+    [
+        ('[scheduler]\npolicy = "fast"\n', ["policy"]),
+        ('[server]\nport = "x"\n', ["port"]),
+        ("[server]\nport = 70000\n", ["port"]),
+        ("[server]\nport = true\n", ["port"]),
+        ("[scheduler]\nmax_num_seqs = 0\n", ["max_num_seqs"]),
+        ("[scheduler]\nmax_num_seqs = 1.5\n", ["max_num_seqs"]),
+        ('[model]\ndtype = "int3"\n', ["dtype"]),
+        ("[cache]\nenable_prefix_caching = 1\n", ["enable_prefix_caching"]),
+        ("[cache]\nblock_sise = 16\n", ["block_sise", "cache"]),
+        ("[schedular]\npolicy = \"static\"\n", ["schedular"]),
+    ],
+    ids=[
+        "policy-fast",
+        "port-string",
+        "port-range",
+        "port-bool",
+        "max_num_seqs-zero",
+        "max_num_seqs-float",
+        "dtype",
+        "bool-as-int",
+        "unknown-key",
+        "unknown-section",
+    ],
+)
+def test_bad_values_in_file_name_the_key(tmp_path, text, names):
+    with pytest.raises(ValueError) as err:
+        EngineConfig.load(write_config(tmp_path, text))
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_bad_toml_is_a_value_error_naming_the_file(tmp_path):
+    path = write_config(tmp_path, "[scheduler\npolicy = chunked\n")
+    with pytest.raises(ValueError) as err:
+        EngineConfig.load(path)
+    assert str(path) in str(err.value) and "TOML" in str(err.value)
+
+
+def test_partial_file_keeps_defaults(tmp_path):
+    config = EngineConfig.load(write_config(tmp_path, '[scheduler]\npolicy = "continuous"\n'))
+    assert config.scheduler.policy == "continuous"
+    assert config.scheduler.max_num_seqs == 64 and config.server.port == 8000
