@@ -3,10 +3,10 @@
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
-from engine.messages import EngineSnapshot, RequestOutput, StepItem, StepRecord
+from engine.messages import EngineSnapshot, FinishedRequest, RequestOutput, StepItem, StepRecord
 from engine.request import SamplingParams
 
 __all__ = [
-    "ContextLengthError", "Engine", "EngineConfig", "EngineDeadError", "EngineSnapshot", "QueueFullError",
+    "ContextLengthError", "Engine", "EngineConfig", "EngineDeadError", "EngineSnapshot", "FinishedRequest", "QueueFullError",
     "RequestError", "RequestOutput", "SamplingParams", "StepItem", "StepRecord",
 ]

@@ -39,6 +39,14 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True):
     position: int  # position of the first token of this item
 
 
+class FinishedRequest(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    finish_reason: str
+    e2e_s: float  # arrival to final output
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     start_time: float  # unix time the step started
@@ -54,6 +62,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     num_running: int
     kv_usage: float  # fraction of KV blocks in use after the step
     num_preemptions: int  # cumulative
+    ttft_s: list[float] = []  # time to first token of requests that got it this step
+    itl_s: list[float] = []  # gaps since the previous token, for requests that decoded this step
+    finished: list[FinishedRequest] = []  # requests that left since the previous record
     error: str | None = None
 
 

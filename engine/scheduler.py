@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from engine.block_manager import BlockManagerClient
 from engine.messages import (
-    AbortRequest, AddRequest, EngineSnapshot, PlanItem, RequestOutput, RequestSnapshot, SchedulerMsg, Shutdown,
+    AbortRequest, AddRequest, EngineSnapshot, FinishedRequest, PlanItem, RequestOutput, RequestSnapshot, SchedulerMsg, Shutdown,
     StepItem, StepPlan, StepRecord, StepResult,
 )
 from engine.policies import Decision, Idle, Policy
@@ -50,6 +50,8 @@ class Scheduler:
         self.consecutive_failures = 0
         self.dead: str | None = None
         self._cached_this_step = 0  # prefix-cache hits of the step being planned
+        self._latencies: tuple[list[float], list[float]] = ([], [])  # (ttft, itl) of the last update
+        self._finished: list[FinishedRequest] = []  # left since the last StepRecord
         self.snapshot = self._snapshot()
 
     # --- the loop ---------------------------------------------------------------------
@@ -171,6 +173,10 @@ class Scheduler:
         self.block_tables.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self._emit(req, new_tokens or [], final=True)
+        self._finished.append(FinishedRequest(
+            req.request_id, req.finish_reason or "abort", time.monotonic() - req.arrival_time,
+            req.num_prompt_tokens, len(req.output_token_ids),
+        ))
 
     # --- state changes ----------------------------------------------------------------
 
@@ -258,12 +264,17 @@ class Scheduler:
             return
         self.consecutive_failures = 0
         now = time.monotonic()
+        ttft, itl = self._latencies = ([], [])
         for request_id, token in result.sampled.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             req.output_token_ids.append(token)
-            req.first_token_time = req.first_token_time or now
+            if req.first_token_time is None:
+                req.first_token_time = now
+                ttft.append(now - req.arrival_time)
+            else:
+                itl.append(now - req.last_token_time)
             req.last_token_time = now
             req.detokenizer.push(token)
             reason = req.stop_reason()
@@ -297,8 +308,10 @@ class Scheduler:
             token_budget=plan.token_budget, items=items, num_prefill_tokens=kinds["prefill"],
             num_decode_tokens=kinds["decode"], num_padding_tokens=kinds["padding"],
             num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),
-            kv_usage=figures.usage, num_preemptions=self.num_preemptions, error=result.error,
+            kv_usage=figures.usage, num_preemptions=self.num_preemptions, ttft_s=self._latencies[0],
+            itl_s=self._latencies[1], finished=self._finished, error=result.error,
         ))
+        self._latencies, self._finished = ([], []), []
 
     def _snapshot(self, figures=None) -> EngineSnapshot:
         figures = figures or self.kv.figures
