@@ -91,7 +91,7 @@ class Executor:
         )
         device = self.model.device
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
-        rows = torch.tensor([logits_rows[i] for i in sampling], device=device)
+        rows = torch.tensor([logits_rows[i] for i in sampling], dtype=torch.long, device=device)
         logits = self.model.forward(
             torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta, self.kv_cache, rows
         )  # [S, V]

@@ -1,0 +1,1 @@
+"""engine-bench: workloads, runners (in-process and remote), statistics and plots."""

@@ -1,0 +1,147 @@
+"""Turn one run's measurements into the result dict, the table and the plots."""
+
+from __future__ import annotations
+
+import math
+
+from engine.bench.stats import RequestTiming, percentile, summarize
+from engine.messages import StepRecord
+
+
+def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord] | None, slo_ttft_ms, slo_itl_ms) -> dict:
+    out = summarize(timings, duration, _s(slo_ttft_ms), _s(slo_itl_ms))
+    steady = [t for t in timings if t.tag == "steady"]
+    long = [t for t in timings if t.tag == "long"]
+    if steady:
+        gaps = [x for t in steady for x in t.itls]
+        out["steady_itl_ms_p50"] = percentile(gaps, 50) * 1000
+        out["steady_itl_ms_p99"] = percentile(gaps, 99) * 1000
+        out["steady_itl_ms_max"] = max(gaps, default=float("nan")) * 1000
+    if long:
+        out["long_ttft_ms_p50"] = percentile([t.ttft for t in long if t.ttft is not None], 50) * 1000
+        out["long_ttft_ms_max"] = max((t.ttft for t in long if t.ttft is not None), default=float("nan")) * 1000
+    if steps is not None:
+        padding = sum(s.num_padding_tokens for s in steps)
+        total = sum(s.num_prefill_tokens + s.num_decode_tokens + s.num_padding_tokens for s in steps)
+        cached = sum(s.num_cached_tokens for s in steps)
+        prompt = sum(t.num_prompt_tokens for t in timings)
+        out["num_steps"] = len(steps)
+        out["padding_waste_pct"] = 100 * padding / total if total else 0.0
+        out["preemptions"] = steps[-1].num_preemptions if steps else 0
+        out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+        out["tokens_processed"] = total
+    return out
+
+
+def _s(ms):
+    return None if ms is None else ms / 1000
+
+
+COLUMNS = [
+    ("output_tokens_per_s", "out tok/s", "{:.1f}"), ("requests_per_s", "req/s", "{:.2f}"),
+    ("ttft_ms_p50", "TTFT p50", "{:.0f}"), ("ttft_ms_p99", "TTFT p99", "{:.0f}"),
+    ("itl_ms_p50", "ITL p50", "{:.0f}"), ("itl_ms_p99", "ITL p99", "{:.0f}"), ("itl_ms_max", "ITL max", "{:.0f}"),
+    ("e2e_ms_p50", "E2E p50", "{:.0f}"), ("e2e_ms_p99", "E2E p99", "{:.0f}"), ("goodput_rps", "goodput", "{:.2f}"),
+    ("padding_waste_pct", "pad %", "{:.1f}"), ("preemptions", "preempt", "{}"),
+    ("prefix_cache_hit_rate", "prefix hit", "{:.2f}"), ("steady_itl_ms_p99", "steady ITL p99", "{:.0f}"),
+    ("steady_itl_ms_max", "steady ITL max", "{:.0f}"), ("long_ttft_ms_max", "long TTFT", "{:.0f}"),
+]
+
+
+def table(results: dict[str, dict]) -> str:
+    cols = [c for c in COLUMNS if any(c[0] in r for r in results.values())]
+    head = "| target | " + " | ".join(c[1] for c in cols) + " |"
+    rule = "|---|" + "---:|" * len(cols)
+    rows = []
+    for name, r in results.items():
+        cells = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            cells.append("–" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows])
+
+
+def plot(runs: dict[str, dict], out_dir, budget: int | None) -> list[str]:
+    """runs: name -> {"timings", "steps", "start", "spike_at"}. Returns written paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    n = len(runs)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.6), sharey=True, squeeze=False)
+    for ax, (name, run) in zip(axes[0], runs.items()):
+        for t in run["timings"]:
+            if t.tag in ("steady", "short", ""):
+                xs = [x - run["start"] for x in t.token_times[1:]]
+                ax.plot(xs, [g * 1000 for g in t.itls], lw=0.7, alpha=0.6)
+        for t in run["timings"]:
+            if t.tag == "long":
+                ax.axvline(t.arrival - run["start"], color="red", ls="--", lw=1)
+        ax.set_title(f"{name}: inter-token gaps")
+        ax.set_xlabel("time since start (s)")
+    axes[0][0].set_ylabel("gap (ms); red = long prompt arrives")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "itl_over_time.png"))
+
+    fig, axes = plt.subplots(n, 1, figsize=(10, 2.4 * n), squeeze=False)
+    for ax, (name, run) in zip(axes[:, 0], runs.items()):
+        steps = run["steps"] or []
+        xs = range(len(steps))
+        pre = [s.num_prefill_tokens for s in steps]
+        dec = [s.num_decode_tokens for s in steps]
+        pad = [s.num_padding_tokens for s in steps]
+        ax.bar(xs, pre, width=1.0, color="#4C72B0", label="prefill")
+        ax.bar(xs, dec, width=1.0, bottom=pre, color="#55A868", label="decode")
+        ax.bar(xs, pad, width=1.0, bottom=[a + b for a, b in zip(pre, dec)], color="#C44E52", label="padding")
+        if steps and steps[0].token_budget:
+            ax.axhline(steps[0].token_budget, color="black", ls="--", lw=1, label="budget")
+        ax.set_yscale("symlog", linthresh=64)
+        ax.set_title(f"{name}: tokens per step")
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1][0].set_xlabel("step")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "step_composition.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, run in runs.items():
+        ttfts = sorted(t.ttft for t in run["timings"] if t.ttft is not None)
+        ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=name)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT distribution (CDF)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
+    return paths
+
+
+def plot_sweep(key: str, values: list, results: list[dict], out_dir) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(6, 3.6))
+    itl = [r.get("steady_itl_ms_p99", r["itl_ms_p99"]) for r in results]
+    ttft = [r.get("long_ttft_ms_max", r["ttft_ms_p99"]) for r in results]
+    ax1.plot(values, itl, "o-", color="#4C72B0", label="ITL p99 (ms)")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel(key)
+    ax1.set_ylabel("ITL p99 (ms)", color="#4C72B0")
+    ax2 = ax1.twinx()
+    ax2.plot(values, ttft, "s--", color="#C44E52", label="long-prompt TTFT (ms)")
+    ax2.set_ylabel("long-prompt TTFT (ms)", color="#C44E52")
+    ax1.set_title(f"chunked: latency trade-off vs {key}")
+    fig.tight_layout()
+    return _save(fig, out_dir / f"sweep_{key}.png")
+
+
+def _save(fig, path) -> str:
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,80 @@
+"""Statistics over per-request timings: percentiles, throughput, goodput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTiming:
+    tag: str
+    arrival: float  # absolute times (time.perf_counter) of send, first token, each token
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    end: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    ok: bool = True
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.arrival
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def goodput(timings: list[RequestTiming], duration_s: float, slo_ttft_s: float | None, slo_itl_s: float | None) -> float:
+    """Requests per second that met every given SLO (TTFT, and worst inter-token gap)."""
+    if duration_s <= 0:
+        return 0.0
+    good = 0
+    for t in timings:
+        if not t.ok or t.ttft is None:
+            continue
+        if slo_ttft_s is not None and t.ttft > slo_ttft_s:
+            continue
+        if slo_itl_s is not None and t.itls and max(t.itls) > slo_itl_s:
+            continue
+        good += 1
+    return good / duration_s
+
+
+def summarize(timings: list[RequestTiming], duration_s: float, slo_ttft_s=None, slo_itl_s=None) -> dict:
+    ttfts = [t.ttft for t in timings if t.ttft is not None]
+    itls = [x for t in timings for x in t.itls]
+    e2es = [t.e2e for t in timings if t.e2e is not None]
+    out_tokens = sum(t.num_output_tokens for t in timings)
+    ms = 1000.0
+    return {
+        "num_requests": len(timings),
+        "num_failed": sum(1 for t in timings if not t.ok),
+        "duration_s": duration_s,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s else 0.0,
+        "requests_per_s": len(timings) / duration_s if duration_s else 0.0,
+        "ttft_ms_p50": percentile(ttfts, 50) * ms,
+        "ttft_ms_p99": percentile(ttfts, 99) * ms,
+        "itl_ms_p50": percentile(itls, 50) * ms,
+        "itl_ms_p99": percentile(itls, 99) * ms,
+        "itl_ms_max": (max(itls) if itls else float("nan")) * ms,
+        "e2e_ms_p50": percentile(e2es, 50) * ms,
+        "e2e_ms_p99": percentile(e2es, 99) * ms,
+        "goodput_rps": goodput(timings, duration_s, slo_ttft_s, slo_itl_s),
+    }

@@ -1,0 +1,77 @@
+"""Named, seeded workloads. Lengths are in tokens; prompts are ordinary vocabulary tokens.
+
+- mixed: many short prompts and a share of long ones, varied output lengths; all at once
+  (rate 0) or Poisson arrivals at `rate` requests/s.
+- spike: steady streams decoding, then long prompts arrive mid-stream.
+- sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
+  traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float  # offset from the start of the run
+    tag: str = ""  # "long" for the spike's long prompts, "steady" for its streams
+
+
+def _prompt(rng: random.Random, n: int, vocab: range) -> list[int]:
+    return [rng.choice(vocab) for _ in range(n)]
+
+
+def mixed(seed: int = 0, num_requests: int = 64, rate: float = 0.0, vocab: range = range(100, 20000)) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(num_requests):
+        long = i % 4 == 3  # a quarter long, spread through the arrival order
+        n = rng.randint(400, 900) if long else rng.randint(16, 160)
+        if rate > 0:
+            t += rng.expovariate(rate)
+        out.append(BenchRequest(_prompt(rng, n, vocab), rng.randint(16, 160), t, "long" if long else "short"))
+    return out
+
+
+def spike(
+    seed: int = 0, num_streams: int = 12, num_long: int = 2, long_len: int = 2000, stream_tokens: int = 256,
+    spike_at_s: float = 3.0, vocab: range = range(100, 20000),
+) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out = [BenchRequest(_prompt(rng, rng.randint(16, 48), vocab), stream_tokens, 0.0, "steady") for _ in range(num_streams)]
+    out += [BenchRequest(_prompt(rng, long_len, vocab), 16, spike_at_s, "long") for _ in range(num_long)]
+    return out
+
+
+def sharegpt_like(seed: int = 0, num_requests: int = 64, rate: float = 0.0, vocab: range = range(100, 20000)) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(num_requests):
+        n = int(min(1500, max(4, rng.lognormvariate(5.3, 0.9))))
+        m = int(min(400, max(4, rng.lognormvariate(5.0, 0.8))))
+        if rate > 0:
+            t += rng.expovariate(rate)
+        out.append(BenchRequest(_prompt(rng, n, vocab), m, t))
+    return out
+
+
+WORKLOADS = {"mixed": mixed, "spike": spike, "sharegpt-like": sharegpt_like}
+
+
+def make(
+    name: str, seed: int = 0, num_requests: int | None = None, rate: float = 0.0, vocab_size: int = 20000
+) -> list[BenchRequest]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+    # skip the lowest ids (specials and control bytes in most vocabularies)
+    vocab = range(min(100, vocab_size // 2), min(20000, vocab_size))
+    if name == "spike":
+        return spike(seed, vocab=vocab)
+    kwargs = {"seed": seed, "rate": rate, "vocab": vocab}
+    if num_requests:
+        kwargs["num_requests"] = num_requests
+    return WORKLOADS[name](**kwargs)
