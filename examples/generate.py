@@ -1,0 +1,40 @@
+"""Use the engine as an async library: stream a chat reply and watch the batch steps.
+
+    .venv/bin/python examples/generate.py "What is continuous batching?" --policy chunked
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from engine import Engine, EngineConfig, SamplingParams
+
+
+async def main(question: str, policy: str, max_tokens: int) -> None:
+    config = EngineConfig.load("config.toml", policy=policy)
+    async with Engine(config) as engine:
+        steps = []
+
+        async def watch() -> None:
+            async for record in engine.steps():
+                steps.append(record)
+
+        watcher = asyncio.create_task(watch())
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for out in engine.generate(messages=[{"role": "user", "content": question}], params=params):
+            print(out.text, end="", flush=True)
+            if out.finished:
+                print(f"\n[{out.finish_reason}: {out.num_prompt_tokens} prompt + {out.num_generated_tokens} generated tokens]")
+        watcher.cancel()
+        prefill = sum(s.num_prefill_tokens for s in steps)
+        print(f"[{len(steps)} steps under {policy!r}: {prefill} prefill tokens, then one decode token per step]")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("question", nargs="?", default="Explain in two sentences why batching helps LLM serving.")
+    p.add_argument("--policy", default="chunked", choices=["static", "continuous", "chunked"])
+    p.add_argument("--max-tokens", type=int, default=96)
+    args = p.parse_args()
+    asyncio.run(main(args.question, args.policy, args.max_tokens))

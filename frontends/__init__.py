@@ -1,0 +1,1 @@
+"""Frontends: ways to reach a running Engine (the OpenAI-compatible HTTP server, its CLI)."""

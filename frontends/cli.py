@@ -1,0 +1,99 @@
+"""`engine-serve`: the OpenAI-compatible server from the command line.
+
+Every config key has a flag (`--max-num-batched-tokens 512`, `--policy static`,
+`--no-enable-prefix-caching`), built from `engine.config.all_keys()`; flags override
+`--config PATH` (default ./config.toml when present, else built-in defaults).
+
+HTTP comes up first and answers /health with 503 while the model loads in the background.
+SIGINT / SIGTERM shut down cleanly: stop accepting, end live streams, wait for handlers,
+stop the engine, exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from engine import Engine, EngineConfig
+from engine.config import all_keys
+from frontends.http import HttpFrontend
+
+DEFAULT_CONFIG = "config.toml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine-serve", description="Serve Stepwise over an OpenAI-compatible HTTP API.")
+    parser.add_argument("--config", metavar="PATH", help=f"TOML config (default: ./{DEFAULT_CONFIG} if present)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    for key, (section, kind) in all_keys().items():
+        flag = "--" + key.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"[{section}] {key}")
+        else:
+            parser.add_argument(flag, dest=key, type=kind, default=None, metavar=kind.__name__.upper(),
+                                help=f"[{section}] {key}")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> EngineConfig:
+    path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists() else None)
+    overrides = {k: v for k, v in vars(args).items() if k in all_keys() and v is not None}
+    return EngineConfig.load(path, **overrides)
+
+
+async def serve(config: EngineConfig, access_log: bool = False) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)
+        print(f"\n[stepwise] {signal.Signals(signum).name}: shutting down (again to force)", file=sys.stderr)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    engine = Engine(config)
+    frontend = HttpFrontend(access_log=access_log)
+    await frontend.start(engine)
+    print(f"[stepwise] listening on {frontend.url} (loading {config.model.model}...)", file=sys.stderr)
+    loading = asyncio.create_task(engine.start(), name="stepwise-load")
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loading.done() and loading.exception() is not None:
+        print(f"[stepwise] failed to start the engine: {loading.exception()!r}", file=sys.stderr)
+        code = 1
+    elif loading.done():
+        print(f"[stepwise] ready: {config.server.served_model_name}, policy {config.scheduler.policy}", file=sys.stderr)
+        await stopping
+    else:
+        loading.cancel()
+        await asyncio.wait([loading])
+    stopping.cancel()
+    await frontend.stop()
+    await engine.stop()
+    print("[stepwise] stopped", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(config, args.access_log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

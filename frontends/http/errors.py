@@ -1,0 +1,76 @@
+"""Every failure leaves as an OpenAI error: {"error": {"message", "type", "param", "code"}}.
+
+`ApiError` is raised anywhere in a handler; `error_middleware` renders it, and turns
+aiohttp's own HTTP errors (413 body too large, 404 unknown route, 405) and any unexpected
+exception into the same shape. `from_engine` maps the engine's exceptions to statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from aiohttp import web
+
+from engine import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+
+log = logging.getLogger("stepwise.http")
+
+RETRY_AFTER_S = "1"
+
+_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json", headers=self.headers)
+
+
+def from_engine(e: Exception) -> ApiError:
+    """The engine's refusals, as HTTP errors."""
+    match e:
+        case ContextLengthError():
+            return ApiError(400, str(e), param=e.param, code="context_length_exceeded")
+        case RequestError():
+            return ApiError(400, str(e), param=e.param)
+        case QueueFullError():
+            return ApiError(503, str(e), code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
+        case EngineDeadError():
+            return ApiError(503, f"engine unavailable: {e}", code="engine_unavailable")
+    raise e
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "server is shutting down", code="shutting_down")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return ApiError(413, f"request body too large: {e.text}", code="request_too_large").response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ApiError(e.status, e.reason, headers={k: v for k, v in e.headers.items() if k == "Allow"}).response()
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return ApiError(500, "internal server error", code="internal_error").response()

@@ -1,0 +1,60 @@
+"""Watching the server: /health, /metrics (Prometheus), /v1/engine/state (a JSON snapshot
+plus the config) and /v1/engine/steps (every StepRecord, live, as SSE)."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from frontends.http import sse
+from frontends.http.metrics import CONTENT_TYPE
+from frontends.http.state import STATE
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.engine
+    if state.live.closing:
+        return _json({"status": "shutting_down"}, 503)
+    if engine.dead:
+        return _json({"status": "dead", "reason": engine.dead}, 503)
+    if not engine.ready:
+        return _json({"status": "loading"}, 503)
+    return _json({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def engine_state(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    config = engine.config.to_dict()
+    if config["server"]["api_key"]:
+        config["server"]["api_key"] = "<redacted>"
+    return _json({
+        "model": engine.model_name,
+        "ready": engine.ready,
+        "dead": engine.dead,
+        "max_model_len": getattr(engine, "max_model_len", None),
+        "snapshot": engine.snapshot() if engine.ready else None,
+        "config": config,
+    })
+
+
+async def engine_steps(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    with state.live.track(), state.feed.subscribe() as records:
+        response = await sse.open_stream(request)
+        try:
+            async for record in records:
+                await response.write(sse.frame(record))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response

@@ -1,0 +1,30 @@
+"""The app's typed state: one `ServerState` under one `web.AppKey`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from engine import Engine
+from frontends.http.feed import StepFeed
+from frontends.http.metrics import Metrics
+from frontends.http.streams import LiveRequests
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    metrics: Metrics
+    feed: StepFeed
+    live: LiveRequests
+    new_id: Callable[[str], str]  # prefix ("cmpl", "chatcmpl") -> unique response / engine request id
+    clock: Callable[[], int]  # unix seconds for `created`
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.config.server.served_model_name
+
+
+STATE = web.AppKey("state", ServerState)

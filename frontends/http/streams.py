@@ -1,0 +1,47 @@
+"""The registry of live handlers (generations and step streams), so shutdown can end them.
+
+Shutdown aborts every tracked engine request — each handler then sees its final output
+(finish_reason "abort") and ends its response properly: an SSE error event and [DONE], or
+a 503 — and waits for the handlers; any still running after `timeout` are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from engine import Engine
+
+
+class LiveRequests:
+    def __init__(self) -> None:
+        self._live: dict[asyncio.Task, str | None] = {}  # handler task -> engine request id
+        self.closing = False
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @contextmanager
+    def track(self, request_id: str | None = None) -> Iterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._live[task] = request_id
+        try:
+            yield
+        finally:
+            self._live.pop(task, None)
+
+    async def close_all(self, engine: Engine, timeout: float) -> None:
+        self.closing = True
+        for request_id in list(self._live.values()):
+            if request_id is not None:
+                await engine.abort(request_id)
+        tasks = list(self._live)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)

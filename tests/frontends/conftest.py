@@ -1,0 +1,71 @@
+"""Helpers for the HTTP frontend tests: an engine + aiohttp test client on the tiny model
+(or the real one), SSE parsing, and Prometheus metric look-ups."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import Engine, EngineConfig
+from frontends.http import create_app
+
+TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=64, chunk_size=32)
+
+
+def tiny_config(**overrides) -> EngineConfig:
+    return EngineConfig.load(None, **{**TINY, **overrides})
+
+
+@asynccontextmanager
+async def serving(loaded, config: EngineConfig, *, fault_hook=None, **app_kwargs) -> AsyncIterator[tuple[Engine, TestClient]]:
+    """A started engine and a test client on its app (aiohttp's test server runs with
+    handler cancellation, as HttpFrontend does). The client closes before the engine stops."""
+    engine = Engine(config, loaded=loaded, fault_hook=fault_hook)
+    await engine.start()
+    client = TestClient(TestServer(create_app(engine, **app_kwargs)))
+    await client.start_server()
+    try:
+        yield engine, client
+    finally:
+        await client.close()
+        await engine.stop()
+
+
+@pytest.fixture
+async def tiny(tiny_model) -> AsyncIterator[tuple[Engine, TestClient]]:
+    async with serving(tiny_model, tiny_config()) as pair:
+        yield pair
+
+
+def sse_events(body: bytes) -> list:
+    """Split an SSE body into its payloads: JSON objects, or the string "[DONE]"."""
+    assert body.endswith(b"\n\n"), body[-200:]
+    events = []
+    for frame in body[:-2].split(b"\n\n"):
+        assert frame.startswith(b"data: "), frame
+        payload = frame[len(b"data: "):]
+        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (summed over unlisted labels)."""
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    assert found, f"no sample {name}{labels}"
+    return total
+
+
+async def get_metric(client: TestClient, name: str, **labels) -> float:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    return metric(await resp.text(), name, **labels)

@@ -1,0 +1,187 @@
+"""(d) Every bad input gets its status and an OpenAI-shaped error, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import Engine
+from frontends.http import create_app
+from tests.frontends.conftest import serving, tiny_config
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+# (path, body, status, param, message fragment)
+BAD = [
+    (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
+    (COMPLETIONS, b"[]", 400, None, "Expected `object`"),
+    (COMPLETIONS, b'{"max_tokens": 3}', 400, "prompt", "missing required field `prompt`"),
+    (COMPLETIONS, b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens", "Expected `int | null`, got `str`"),
+    (COMPLETIONS, b'{"prompt": "x", "temperature": "hot"}', 400, "temperature", "Expected `float | null`"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": "yes"}', 400, "stream", "Expected `bool`"),
+    (COMPLETIONS, b'{"prompt": {"a": 1}}', 400, "prompt", "Expected `str | array`"),
+    (COMPLETIONS, b'{"prompt": "x", "stream_options": {"include_usage": 1}}', 400, "stream_options.include_usage", "bool"),
+    (COMPLETIONS, b'{"prompt": "x", "temperature": -0.5}', 400, "temperature", "temperature must be in [0, 100]"),
+    (COMPLETIONS, b'{"prompt": "x", "top_p": 0}', 400, "top_p", "top_p must be in (0, 1]"),
+    (COMPLETIONS, b'{"prompt": "x", "top_p": 1.5}', 400, "top_p", "top_p must be in (0, 1]"),
+    (COMPLETIONS, b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", "max_tokens must be an integer >= 1"),
+    (COMPLETIONS, b'{"prompt": "x", "stop": ""}', 400, "stop", "non-empty"),
+    (COMPLETIONS, b'{"prompt": "x", "stop": ["a", ""]}', 400, "stop", "non-empty"),
+    (COMPLETIONS, b'{"prompt": "x", "stop_token_ids": [-1]}', 400, "stop_token_ids", "non-negative"),
+    (COMPLETIONS, b'{"prompt": "x", "n": 2}', 400, "n", "only n=1"),
+    (COMPLETIONS, b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options", "only allowed"),
+    (COMPLETIONS, b'{"prompt": ""}', 400, "prompt", "prompt is empty"),
+    (COMPLETIONS, b'{"prompt": [1, 2, 100000]}', 400, "prompt", "prompt token ids must be integers"),
+    (COMPLETIONS, b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "The model `gpt-4` does not exist."),
+    (CHAT, b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content", "Expected"),
+    (CHAT, b'{"messages": [{"content": "x"}]}', 400, "messages[0].role", "missing required field `role`"),
+    (CHAT, b'{"messages": "hi"}', 400, "messages", "Expected `array`"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages", "only text"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', 400, "max_tokens", ">= 1"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "nope"}', 404, "model", "does not exist"),
+]
+
+
+def assert_openai_error(data: dict, param: str | None = None, fragment: str = "") -> None:
+    assert set(data) == {"error"}, data
+    assert set(data["error"]) == {"message", "type", "param", "code"}, data
+    assert isinstance(data["error"]["message"], str) and isinstance(data["error"]["type"], str)
+    assert data["error"]["param"] == param, data
+    assert fragment in data["error"]["message"], data
+
+
+async def ok(client) -> None:
+    resp = await client.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["usage"]["completion_tokens"] == 2
+
+
+async def test_bad_inputs(tiny):
+    _, client = tiny
+    for path, body, status, param, fragment in BAD:
+        streamable = body.startswith(b'{"') and b'"stream' not in body
+        for data in [body, body[:-1] + b', "stream": true}'] if streamable else [body]:
+            resp = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+            assert resp.status == status, (data, await resp.text())
+            assert resp.content_type == "application/json"
+            assert_openai_error(await resp.json(), param, fragment)
+    await ok(client)
+
+
+async def test_context_length(tiny):
+    engine, client = tiny
+    resp = await client.post(COMPLETIONS, json={"prompt": "a" * 2100, "max_tokens": 1})
+    assert resp.status == 400
+    data = await resp.json()
+    assert_openai_error(data, "prompt", f"maximum context length is {engine.max_model_len} tokens")
+    assert data["error"]["code"] == "context_length_exceeded"
+    resp = await client.post(COMPLETIONS, json={"prompt": "a", "max_tokens": 2048})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
+    resp = await client.post(CHAT, json={"messages": [{"role": "user", "content": "a" * 2100}]})  # default max_tokens
+    assert resp.status == 400
+    assert_openai_error(await resp.json(), "prompt", "maximum context length is 2048 tokens")
+    await ok(client)
+
+
+async def test_unknown_route_and_method(tiny):
+    _, client = tiny
+    resp = await client.get("/v1/nothing")
+    assert resp.status == 404
+    assert_openai_error(await resp.json())
+    resp = await client.get(COMPLETIONS)
+    assert resp.status == 405
+    assert_openai_error(await resp.json())
+
+
+async def test_body_too_large(tiny_model):
+    async with serving(tiny_model, tiny_config(max_body_bytes=2048)) as (_, client):
+        resp = await client.post(COMPLETIONS, json={"prompt": "a" * 4000})
+        assert resp.status == 413
+        data = await resp.json()
+        assert_openai_error(data, None, "too large")
+        assert data["error"]["code"] == "request_too_large"
+        await ok(client)
+
+
+async def test_api_key(tiny_model):
+    async with serving(tiny_model, tiny_config(api_key="sk-secret")) as (_, client):
+        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-secret"}]:
+            resp = await client.post(COMPLETIONS, json={"prompt": "x"}, headers=headers)
+            assert resp.status == 401
+            data = await resp.json()
+            assert_openai_error(data, None, "API key")
+            assert data["error"]["code"] == "invalid_api_key"
+        assert (await client.get("/v1/models")).status == 401
+        assert (await client.get("/health")).status == 200  # not under /v1
+        assert (await client.get("/metrics")).status == 200
+        good = {"Authorization": "Bearer sk-secret"}
+        resp = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}, headers=good)
+        assert resp.status == 200
+        state = await (await client.get("/v1/engine/state", headers=good)).json()
+        assert state["config"]["server"]["api_key"] == "<redacted>"
+
+
+async def test_queue_full_is_503_with_retry_after(tiny_model):
+    # Static batching waiting a minute for its batch to fill: the first request sits in the queue.
+    config = tiny_config(policy="static", batch_timeout_ms=60_000, max_waiting=1)
+    async with serving(tiny_model, config) as (engine, client):
+        first = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}))
+        while not engine.snapshot().waiting:
+            await asyncio.sleep(0.01)
+        resp = await client.post(COMPLETIONS, json={"prompt": "y", "max_tokens": 1})
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        data = await resp.json()
+        assert_openai_error(data, None, "waiting queue is full")
+        assert data["error"]["code"] == "queue_full"
+        first.cancel()  # disconnects: the waiting request is aborted and the queue empties
+        while engine.snapshot().waiting:
+            await asyncio.sleep(0.01)
+
+
+async def test_engine_dead_is_503(tiny_model):
+    def always_fail(plan):
+        raise RuntimeError("device lost")
+
+    async with serving(tiny_model, tiny_config(), fault_hook=always_fail) as (engine, client):
+        for _ in range(3):  # three failed steps in a row kill the engine
+            resp = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})
+            assert resp.status == 500
+            assert_openai_error(await resp.json(), None, "device lost")
+        while not engine.dead:
+            await asyncio.sleep(0.01)
+        resp = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})
+        assert resp.status == 503
+        assert_openai_error(await resp.json(), None, "engine unavailable")
+        health = await client.get("/health")
+        assert health.status == 503 and (await health.json())["status"] == "dead"
+
+
+async def test_loading_is_503(tiny_model, aiohttp_client):
+    engine = Engine(tiny_config(), loaded=tiny_model)  # not started yet
+    client = await aiohttp_client(create_app(engine))
+    health = await client.get("/health")
+    assert health.status == 503 and await health.json() == {"status": "loading"}
+    resp = await client.post(COMPLETIONS, json={"prompt": "x"})
+    assert resp.status == 503
+    assert_openai_error(await resp.json(), None, "loading")
+    assert (await client.get("/metrics")).status == 200
+    assert (await client.get("/v1/models")).status == 200
+    await engine.start()
+    try:
+        assert (await client.get("/health")).status == 200
+        await ok(client)
+    finally:
+        await client.close()
+        await engine.stop()
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_bad_input_while_loading_is_still_400(tiny_model, aiohttp_client, path):
+    client = await aiohttp_client(create_app(Engine(tiny_config(), loaded=tiny_model)))
+    resp = await client.post(path, json={"prompt": "x", "messages": HI, "temperature": -1, "max_tokens": 3})
+    assert resp.status == 400
+    assert_openai_error(await resp.json(), "temperature", "temperature")

@@ -1,0 +1,76 @@
+"""/metrics: vLLM-named Prometheus metrics fed by StepRecords and the engine snapshot, in a
+registry per app (two servers in one process keep separate counts)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.frontends.conftest import get_metric, metric, serving, tiny_config
+
+EXPECTED = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "stepwise:steps": "counter",
+    "stepwise:step_tokens": "counter",
+}
+
+
+async def until(client, name: str, value: float, **labels) -> None:
+    for _ in range(200):
+        try:
+            if await get_metric(client, name, **labels) == value:
+                return
+        except AssertionError:  # sample not there yet
+            pass
+        await asyncio.sleep(0.01)
+    assert await get_metric(client, name, **labels) == value
+
+
+async def test_metric_families(tiny):
+    _, client = tiny
+    resp = await client.get("/metrics")
+    assert resp.status == 200 and resp.content_type == "text/plain"
+    families = {f.name: f.type for f in text_string_to_metric_families(await resp.text())}
+    for name, kind in EXPECTED.items():
+        assert families.get(name) == kind, name
+
+
+async def test_counts_follow_requests(tiny_model):
+    async with serving(tiny_model, tiny_config(policy="chunked")) as (engine, client):
+        resp = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
+        assert (await resp.json())["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        await until(client, "vllm:request_success_total", 1, finished_reason="length", model_name="tiny")
+        text = await (await client.get("/metrics")).text()
+    assert metric(text, "vllm:prompt_tokens_total") == 5
+    assert metric(text, "vllm:generation_tokens_total") == 5
+    assert metric(text, "vllm:time_to_first_token_seconds_count") == 1
+    assert metric(text, "vllm:inter_token_latency_seconds_count") == 4
+    assert metric(text, "vllm:e2e_request_latency_seconds_count") == 1
+    assert metric(text, "stepwise:steps_total", policy="chunked") == 5
+    assert metric(text, "vllm:iteration_tokens_total_count") == 5
+    assert metric(text, "vllm:iteration_tokens_total_sum") == 5 + 4
+    assert metric(text, "stepwise:step_tokens_total", policy="chunked", kind="prefill") == 5
+    assert metric(text, "stepwise:step_tokens_total", policy="chunked", kind="decode") == 4
+    assert metric(text, "vllm:num_requests_running") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0
+
+
+async def test_two_servers_in_one_process(tiny_model):
+    async with serving(tiny_model, tiny_config()) as (_, a), serving(tiny_model, tiny_config(policy="continuous")) as (_, b):
+        for _ in range(2):
+            assert (await a.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+        assert (await b.post("/v1/completions", json={"prompt": "y", "max_tokens": 3})).status == 200
+        await until(a, "vllm:generation_tokens_total", 4)
+        await until(b, "vllm:generation_tokens_total", 3)
+        assert await get_metric(b, "stepwise:steps_total", policy="continuous") == 3

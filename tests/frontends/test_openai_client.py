@@ -1,0 +1,88 @@
+"""(a) The official `openai` client against a live server on the real model: chat and
+completions, streamed and not; greedy streamed text equals non-streamed text; usage counts
+match the tokenizer and the generated tokens."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import pytest_asyncio
+
+from engine import Engine, EngineConfig, SamplingParams
+from frontends.http import HttpFrontend
+
+pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
+
+API_KEY = "sk-stepwise-test"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 12
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def server(real_model):
+    engine = Engine(EngineConfig.load(None, num_blocks=256, api_key=API_KEY, served_model_name=MODEL), loaded=real_model)
+    frontend = HttpFrontend("127.0.0.1", 0)
+    await frontend.start(engine)  # HTTP first, as engine-serve does
+    await engine.start()
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    yield engine, client
+    await client.close()
+    await frontend.stop()
+    await engine.stop()
+
+
+async def generated_tokens(engine, prompt=None, messages=None) -> int:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    return sum([len(o.token_ids) async for o in engine.generate(prompt, params, messages=messages)])
+
+
+async def test_completions(server):
+    engine, client = server
+    prompt = "The three primary colors are"
+    whole = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.object == "text_completion" and whole.model == MODEL and whole.id.startswith("cmpl-")
+    chunks = [c async for c in await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text and streamed
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len({c.id for c in chunks}) == 1
+    assert whole.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    assert whole.usage.completion_tokens == await generated_tokens(engine, prompt)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+async def test_chat(server):
+    engine, client = server
+    messages = [{"role": "user", "content": "Name one fruit."}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert whole.usage.prompt_tokens == len(engine.tokenizer.encode(text, add_special_tokens=False))
+    assert whole.usage.completion_tokens == await generated_tokens(engine, messages=messages)
+
+
+async def test_models_and_errors(server):
+    _, client = server
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
+    assert e.value.body["param"] == "top_p"
+    wrong = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.models.list()
+    await wrong.close()
