@@ -1,0 +1,164 @@
+"""Watch a running `engine-serve` over HTTP.
+
+The contract (frontends/ serves it):
+
+    GET /v1/engine/steps   text/event-stream; one event per step:
+                               data: <msgspec JSON of StepRecord>\\n\\n
+                           (StepItem and FinishedRequest are array_like Structs, so they
+                           travel as JSON arrays). Comment lines (": ...") are keep-alives;
+                           "event:", "id:" and "retry:" fields are accepted and ignored.
+    GET /v1/engine/state   application/json {"snapshot": <EngineSnapshot> | null,
+                           "config": {<section>: {...}}, "model", "ready", "dead",
+                           "max_model_len"} (config = EngineConfig.to_dict(); snapshot is
+                           null while the engine loads). A 404 or an unreadable body here
+                           only hides the queue table; it does not drop the connection.
+
+An API key, when the server wants one, goes in `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import msgspec
+
+from engine.messages import StepRecord
+from monitor.source import EngineState, SourceUnavailable, StepSource
+
+STEPS_PATH = "/v1/engine/steps"
+STATE_PATH = "/v1/engine/state"
+MAX_EVENT_BYTES = 8 << 20
+STATE_FAILURES_TO_DISCONNECT = 3
+
+
+class SSEParser:
+    """Incremental text/event-stream parser: feed bytes, get the data of complete events."""
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES):
+        self._buf = b""
+        self._data: list[bytes] = []
+        self._max = max_event_bytes
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk
+        events = []
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut < 0:
+                break
+            line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:  # blank line: dispatch
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+                continue
+            if line.startswith(b":"):
+                continue  # comment / keep-alive
+            name, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if name == b"data":
+                self._data.append(value)
+        if len(self._buf) + sum(map(len, self._data)) > self._max:
+            raise SourceUnavailable(f"server sent an event over {self._max} bytes")
+        return events
+
+
+class HttpSource(StepSource):
+    def __init__(self, url: str, *, api_key: str = "", connect_timeout_s: float = 3.0, state_timeout_s: float = 5.0):
+        self.url = url.rstrip("/")
+        self.description = self.url
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        self._state_timeout = aiohttp.ClientTimeout(total=state_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._response: aiohttp.ClientResponse | None = None
+        self._decode_record = msgspec.json.Decoder(StepRecord).decode
+        self._decode_state = msgspec.json.Decoder(EngineState).decode
+        self._state_supported = True
+        self._state_failures = 0
+
+    async def connect(self) -> None:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        url = self.url + STEPS_PATH
+        try:
+            resp = await self._session.get(url, headers={"Accept": "text/event-stream"})
+        except aiohttp.ClientConnectorError as e:
+            raise SourceUnavailable(f"cannot connect to {self.url} ({_os_reason(e)})") from None
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise SourceUnavailable(f"cannot connect to {self.url} ({type(e).__name__}: {e})") from None
+        if resp.status != 200:
+            body = (await resp.text(errors="replace"))[:200].strip()
+            resp.release()
+            hint = " (wrong --api-key?)" if resp.status in (401, 403) else \
+                   " (is this a Stepwise server?)" if resp.status == 404 else ""
+            raise SourceUnavailable(f"GET {STEPS_PATH} answered HTTP {resp.status}{hint}: {body}")
+        self._response = resp
+        self._state_supported = True
+        self._state_failures = 0
+
+    async def steps(self) -> AsyncIterator[StepRecord]:
+        resp = self._response
+        if resp is None:
+            raise SourceUnavailable("not connected")
+        parser = SSEParser()
+        try:
+            async for chunk in resp.content.iter_any():
+                for data in parser.feed(chunk):
+                    try:
+                        yield self._decode_record(data)
+                    except msgspec.ValidationError as e:
+                        raise SourceUnavailable(f"server sent a step this monitor cannot read: {e}") from None
+                    except msgspec.DecodeError as e:
+                        raise SourceUnavailable(f"server sent malformed JSON on {STEPS_PATH}: {e}") from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise SourceUnavailable(f"connection to {self.url} lost ({type(e).__name__})") from None
+        # EOF: the server closed the stream (shutting down, restarting)
+
+    async def state(self) -> EngineState | None:
+        if not self._state_supported or self._session is None:
+            return None
+        try:
+            async with self._session.get(self.url + STATE_PATH, timeout=self._state_timeout) as resp:
+                if resp.status == 404:
+                    self._state_supported = False  # an older server: steps only
+                    return None
+                if resp.status != 200:
+                    return None  # transient (503 while starting, ...): keep the step stream
+                body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            # One slow or failed poll is no reason to drop a live step stream; several in a row
+            # mean the server is gone even if the stream has not noticed (a half-open socket).
+            self._state_failures += 1
+            if self._state_failures >= STATE_FAILURES_TO_DISCONNECT:
+                reason = _os_reason(e) if isinstance(e, aiohttp.ClientConnectorError) else type(e).__name__
+                raise SourceUnavailable(f"{self.url} stopped answering {STATE_PATH} ({reason})") from None
+            return None
+        self._state_failures = 0
+        try:
+            return self._decode_state(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            self._state_supported = False  # a different contract: don't hammer it
+            return None
+
+    async def disconnect(self) -> None:
+        if self._response is not None:
+            self._response.close()
+            self._response = None
+
+    async def close(self) -> None:
+        await self.disconnect()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _os_reason(e: aiohttp.ClientConnectorError) -> str:
+    err = e.os_error
+    if isinstance(err, ConnectionRefusedError):
+        return "connection refused: is engine-serve running?"
+    return (err.strerror or str(err)).lower() if err is not None else str(e)

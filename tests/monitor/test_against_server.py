@@ -1,0 +1,93 @@
+"""HttpSource against the real HTTP frontend (frontends.http) on the tiny model: the SSE and
+state contract as the server actually speaks it, API key included."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine import Engine, EngineConfig
+from monitor.http_source import HttpSource
+from monitor.source import Backoff, Connected, Disconnected, StateEvent, StepEvent, follow
+
+http = pytest.importorskip("frontends.http")
+
+TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=48, chunk_size=16)
+
+
+@contextlib.asynccontextmanager
+async def server(tiny_model, **overrides):
+    engine = Engine(EngineConfig.load(None, **{**TINY, **overrides}), loaded=tiny_model)
+    await engine.start()
+    srv = TestServer(http.create_app(engine), host="127.0.0.1")
+    await srv.start_server()
+    try:
+        yield engine, f"http://127.0.0.1:{srv.port}"
+    finally:
+        await srv.close()
+        await engine.stop()
+
+
+async def test_steps_and_state_from_the_real_server(tiny_model):
+    async with server(tiny_model, policy="chunked") as (engine, url):
+        source = HttpSource(url)
+        events = follow(source, state_interval_s=0.05, backoff=Backoff(0.05))
+        mixed, states = None, []
+        async with contextlib.aclosing(events):
+            async with asyncio.timeout(60):
+                async for ev in events:
+                    if isinstance(ev, Connected):
+                        # one request decoding for long, one long prompt chunked next to it
+                        long_run = engine.generate("decode me", _params(max_tokens=200))
+                        chunked = engine.generate("p" * 300, _params(max_tokens=1))
+                        tasks = [asyncio.create_task(_drain(long_run)), asyncio.create_task(_drain(chunked))]
+                    elif isinstance(ev, Disconnected):
+                        pytest.fail(f"disconnected: {ev.reason}")
+                    elif isinstance(ev, StateEvent):
+                        states.append(ev.state)
+                    elif isinstance(ev, StepEvent) and {i.kind for i in ev.record.items} == {"prefill", "decode"}:
+                        mixed = ev.record
+                    if mixed is not None and any(s.snapshot and s.snapshot.running for s in states):
+                        break
+        for t in tasks:
+            t.cancel()
+        await source.close()
+    assert mixed.policy == "chunked" and mixed.token_budget == 48
+    assert all(i.num_tokens <= 16 for i in mixed.items if i.kind == "prefill")
+    state = next(s for s in states if s.snapshot and s.snapshot.running)
+    assert state.ready and state.config["scheduler"]["chunk_size"] == 16
+    assert state.config["model"]["model"] == "tiny-random"
+
+
+async def test_api_key(tiny_model):
+    async with server(tiny_model, api_key="sesame") as (_, url):
+        for key, expect in (("", Disconnected), ("wrong", Disconnected), ("sesame", Connected)):
+            source = HttpSource(url, api_key=key)
+            events = follow(source, backoff=Backoff(0.05))
+            async with contextlib.aclosing(events):
+                async with asyncio.timeout(10):
+                    ev = await anext(_aiter_types(events, Connected, Disconnected))
+            await source.close()
+            assert isinstance(ev, expect), (key, ev)
+            if expect is Disconnected:
+                assert "HTTP 401" in ev.reason and "--api-key" in ev.reason
+
+
+def _params(**kw):
+    from engine import SamplingParams
+
+    return SamplingParams(ignore_eos=True, temperature=0.0, **kw)
+
+
+async def _drain(outputs):
+    async for _ in outputs:
+        pass
+
+
+async def _aiter_types(events, *types):
+    async for ev in events:
+        if isinstance(ev, types):
+            yield ev

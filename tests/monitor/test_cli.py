@@ -1,0 +1,47 @@
+"""engine-monitor's command line: which source it builds, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from monitor.cli import DEFAULT_URL, build_parser, main, make_source
+from monitor.demo import EngineSource
+from monitor.http_source import HttpSource
+
+
+def test_default_is_the_local_server():
+    source = make_source(build_parser().parse_args([]))
+    assert isinstance(source, HttpSource) and source.url == DEFAULT_URL
+
+
+def test_url_and_api_key():
+    source = make_source(build_parser().parse_args(["--url", "http://h:9/", "--api-key", "k"]))
+    assert source.url == "http://h:9" and source._headers == {"Authorization": "Bearer k"}
+
+
+def test_demo_builds_an_embedded_engine_with_overrides(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[scheduler]\nmax_num_batched_tokens = 96\n")
+    args = build_parser().parse_args(["--demo", "--config", str(cfg), "--policy", "continuous", "--long-tokens", "700"])
+    source = make_source(args)
+    assert isinstance(source, EngineSource)
+    assert source.config.scheduler.policy == "continuous" and source.config.scheduler.max_num_batched_tokens == 96
+    assert source.config.model.model == "smollm2-135m"
+    assert source.load_settings.long_prompt_tokens == 700 and source.engine is None  # nothing started yet
+
+
+@pytest.mark.parametrize("argv", [["--policy", "static"], ["--url", "http://x", "--demo"],
+                                  ["--demo", "--policy", "fifo"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "engine-monitor" in capsys.readouterr().err
+
+
+def test_bad_config_is_a_message_not_a_traceback(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[scheduler]\nchunk_sizes = 3\n")
+    assert main(["--demo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine-monitor: ") and "chunk_sizes" in err and "Traceback" not in err

@@ -1,0 +1,62 @@
+"""MonitorState: the figures the dashboard shows, without any UI."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.messages import FinishedRequest
+from monitor.source import Connected, Connecting, Disconnected
+from monitor.state import MonitorState, output_tokens, percentile
+from tests.monitor.helpers import decodes, record, state
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    data = list(range(1, 101))
+    assert percentile(data, 50) == 50 and percentile(data, 99) == 99 and percentile(data, 100) == 100
+
+
+def test_output_tokens_counts_first_and_next_tokens():
+    r = record(1, [("a", "prefill", 30, 0), ("b", "decode", 1, 9), ("c", "decode", 1, 4)], ttft=(0.3,), itl=(0.1, 0.1))
+    assert output_tokens(r) == 3
+    assert output_tokens(record(2, [("b", "decode", 1, 10)])) == 1  # a server that leaves itl_s empty
+
+
+def test_throughput_and_idle_seconds():
+    m = MonitorState()
+    for s in range(1, 21):  # 20 steps of 0.25 s, 3 tokens each: 12 tokens/s
+        m.add(decodes(s))
+    assert m.tokens_per_s() == pytest.approx(12.0)
+    # a step 5 s later: the idle seconds in between count as zero in the series
+    late = record(40, [("r0", "decode", 1, 1)], itl=(5.0,))
+    m.add(late)
+    assert m.latency().rate_series[-4:] == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_finished_and_queue_view():
+    m = MonitorState()
+    assert m.queues() is None
+    fin = [FinishedRequest("a", "stop", 1.0, 10, 5), FinishedRequest("b", "length", 2.0, 10, 8),
+           FinishedRequest("c", "stop", 1.5, 10, 3)]
+    import msgspec
+
+    m.add(msgspec.structs.replace(record(1, [("d", "decode", 1, 3)], waiting=4, kv=0.5, preemptions=2), finished=fin))
+    m.on_state(state(1, [("d", 10, 10, 3, 16)]))
+    q = m.queues()
+    assert (q.num_waiting, q.num_running, q.kv_usage, q.num_preemptions) == (4, 1, 0.5, 2)
+    assert (q.num_blocks, q.num_free_blocks) == (1024, 900)
+    assert q.num_finished == 3 and q.finish_reasons == (("stop", 2), ("length", 1))
+    assert m.prompt_lengths() == {"d": 10}
+
+
+def test_status_keeps_the_reason_while_retrying():
+    m = MonitorState()
+    m.on_connection(Connecting("u", 0))
+    assert m.status.kind == "connecting"
+    m.on_connection(Connected("u"))
+    m.on_connection(Disconnected("u", "connection refused", 0.5, 1))
+    m.on_connection(Connecting("u", 1))
+    assert m.status.kind == "disconnected" and m.status.reason == "connection refused"
+    m.on_connection(Connected("u"))
+    assert m.status.kind == "connected" and m.status.reason == ""
