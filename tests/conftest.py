@@ -7,8 +7,14 @@ so CI, users and tests share one converted copy. The first run converts the GGUF
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# Triton kernels run under its interpreter on machines without a GPU. This must be set before
+# anything imports triton (transformers does, indirectly), hence here, first.
+if not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -56,7 +56,19 @@ def _seq_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.T
 
 
 class TorchAttention:
+    """Decode keys/values are gathered into a workspace reused across layers and steps:
+    allocating ~50 MB per layer made fresh pages (and their faults) cost more than the copy."""
+
     name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace = torch.empty(0)
+
+    def _buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers of n elements each (grown when a step needs more)."""
+        if self._workspace.numel() < 2 * n or self._workspace.dtype != like.dtype or self._workspace.device != like.device:
+            self._workspace = torch.empty(2 * n, dtype=like.dtype, device=like.device)
+        return self._workspace[:n], self._workspace[n : 2 * n]
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         device = meta.slot_mapping.device
@@ -118,8 +130,13 @@ class TorchAttention:
             bd = d.token_idx.shape[0]
             k_flat = k_cache.view(-1, kv_heads, head_dim)
             v_flat = v_cache.view(-1, kv_heads, head_dim)
-            ks = k_flat[d.slots].permute(0, 2, 1, 3)  # [Bd, KVH, Lmax, D]
-            vs = v_flat[d.slots].permute(0, 2, 1, 3)
+            max_len = d.slots.shape[1]
+            k_buf, v_buf = self._buffers(bd * max_len * kv_heads * head_dim, q)
+            slots = d.slots.view(-1)
+            k_buf = torch.index_select(k_flat, 0, slots, out=k_buf.view(-1, kv_heads, head_dim))
+            v_buf = torch.index_select(v_flat, 0, slots, out=v_buf.view(-1, kv_heads, head_dim))
+            ks = k_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)  # [Bd, KVH, Lmax, D]
+            vs = v_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)
             # Fold the query heads of one kv head into the query axis: no repeat of K/V.
             qs = q[d.token_idx].view(bd, kv_heads, group, head_dim)  # [Bd, KVH, G, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask)
