@@ -64,11 +64,12 @@ class BlockPool:
         cannot supply the blocks."""
         table = self.tables.get(request_id)
         hits: list[int] = []
+        queried = 0
         if table is None:
             table = []
             if token_ids is not None and self.enable_prefix_caching:
                 hits = self._lookup(token_ids)
-                self.num_queried_tokens += len(token_ids)
+                queried = len(token_ids)
         needed = self.blocks_for(num_tokens) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         if needed > self.num_free_blocks - revived:
@@ -77,6 +78,7 @@ class BlockPool:
             self.tables[request_id] = table
             self.num_hashed[request_id] = len(hits)
             self.last_hash[request_id] = self.block_hash[hits[-1]] if hits else None
+            self.num_queried_tokens += queried  # only once granted: a refusal changes nothing
             self.num_hit_tokens += len(hits) * self.block_size
         for b in hits:
             if self.ref_count[b] == 0:

@@ -151,6 +151,9 @@ class Engine:
         reply = asyncio.get_running_loop().create_future()
         self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), reply))
         request = await reply
+        if self.dead or self.scheduler.dead:
+            # the scheduler died while intake handled this request: nobody would ever answer it
+            raise EngineDeadError(self.dead or self.scheduler.dead)
         self._live[request_id] = request
         return request_id
 

@@ -77,7 +77,9 @@ class Scheduler:
             self._update(plan, result)
             await self._publish(step_plan, result)
             if self.dead:
-                self._fail_all(self.dead)
+                # requests that arrived while the fatal step ran fail too, not left unanswered
+                if await self._receive(block=False):
+                    self._fail_all(self.dead)
                 return
 
     async def _receive(self, block: bool, timeout: float | None = None) -> bool:
@@ -245,15 +247,9 @@ class Scheduler:
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
 
     def _update(self, decisions: list[Decision], result: StepResult) -> None:
-        commits = []
-        for d in decisions:
-            req = d.request
-            if d.padding or req.status is not Status.RUNNING:
-                continue
-            req.num_computed_tokens += d.num_tokens
-            commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
-        self.kv.commit(commits)
         if result.error is not None:
+            # Nothing of a failed step is committed: its KV may never have been written, and a
+            # committed block would be handed to later requests with the same prefix.
             self.consecutive_failures += 1
             for d in decisions:
                 if not d.padding and d.request.status is Status.RUNNING:
@@ -263,6 +259,14 @@ class Scheduler:
                 self.dead = f"executor failed {self.consecutive_failures} steps in a row: {result.error}"
             return
         self.consecutive_failures = 0
+        commits = []
+        for d in decisions:
+            req = d.request
+            if d.padding or req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens += d.num_tokens
+            commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
+        self.kv.commit(commits)
         now = time.monotonic()
         ttft, itl = self._latencies = ([], [])
         for request_id, token in result.sampled.items():
