@@ -150,7 +150,13 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         reply = asyncio.get_running_loop().create_future()
         self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), reply))
-        request = await reply
+        try:
+            request = await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            # The caller gave up while intake worked: if intake accepts, abort right after.
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception() or self.scheduler.inbox.put_nowait(
+                AbortRequest(request_id)))
+            raise
         if self.dead or self.scheduler.dead:
             # the scheduler died while intake handled this request: nobody would ever answer it
             raise EngineDeadError(self.dead or self.scheduler.dead)

@@ -43,7 +43,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}  # copies of what the block manager granted
-        self.early_aborts: set[str] = set()
         self.step = 0
         self.num_preemptions = 0
         self.preempted_this_step = False
@@ -100,16 +99,14 @@ class Scheduler:
     def _apply(self, msg: SchedulerMsg) -> bool:
         match msg:
             case AddRequest(request):
-                if request.request_id in self.early_aborts:
-                    self.early_aborts.discard(request.request_id)
-                    self._finish(request, "abort")
-                else:
-                    self.requests[request.request_id] = request
-                    self._enqueue(request)
+                self.requests[request.request_id] = request
+                self._enqueue(request)
             case AbortRequest(request_id):
+                # Intake puts AddRequest in this inbox before submit() returns the id, so an
+                # unknown id has already left (or never existed): nothing to do.
                 req = self.requests.get(request_id)
                 if req is None:
-                    self.early_aborts.add(request_id)
+                    pass
                 elif not req.is_finished:
                     self._remove(req)
                     self._finish(req, "abort")

@@ -101,3 +101,29 @@ async def test_abort_of_a_waiting_request_and_of_an_unknown_id(tiny_model):
             r = await running
             assert r.finish_reason == "length" and len(r.token_ids) == 30
             await assert_drained(engine)
+
+
+async def test_cancelled_submit_aborts_the_accepted_request(tiny_model):
+    """A caller cancelled while intake is still working must not leave an unread request running."""
+    async with Engine(tiny_config(policy="chunked"), loaded=tiny_model) as engine:
+        recorder = await StepRecorder(engine).start()
+        task = asyncio.create_task(engine.submit(list(range(3, 200)), greedy(200), request_id="gave-up"))
+        await asyncio.sleep(0)  # intake has the Submit; the reply is not back yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_drained(engine)
+        assert not engine.scheduler.requests
+        steps_with_it = [r for r in await recorder.caught_up() if any(i.request_id == "gave-up" for i in r.items)]
+        assert len(steps_with_it) < 10, "the abandoned request kept running towards its 200 tokens"
+
+
+async def test_abort_of_unknown_or_finished_ids_leaves_nothing_behind(tiny_model):
+    async with Engine(tiny_config(policy="continuous"), loaded=tiny_model) as engine:
+        result = await run_request(engine, [5, 6, 7], greedy(3))
+        await engine.abort(result.request_id)  # already finished
+        await engine.abort("never-existed")
+        again = await run_request(engine, [5, 6, 7], greedy(3))  # the engine keeps serving
+        assert again.token_ids == result.token_ids
+        await assert_drained(engine)
+        assert not engine.scheduler.requests
