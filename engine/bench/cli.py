@@ -7,6 +7,7 @@
 
 In-process mode runs each policy on a fresh engine (same config otherwise, model loaded
 once). Results: a markdown table on stdout, results.json and PNG plots in --out.
+Workloads, metrics and the results.json schema: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,8 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default="")
     p.add_argument("--config", default="config.toml")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 = all at once")
+    p.add_argument("--num-requests", type=int, help="default 64 (spike: 12 streams + 2 long prompts)")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 = all at once (not spike)")
+    p.add_argument("--vocab-size", type=int,
+                   help="prompt token ids are drawn below this (default: the tokenizer's size in-process, 20000 remote)")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-itl-ms", type=float)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
@@ -51,13 +55,42 @@ def _coerce(key: str, value: str):
     if key not in keys:
         raise SystemExit(f"unknown config key {key!r}")
     typ = keys[key][1]
-    return value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+    try:
+        return value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+    except ValueError:
+        raise SystemExit(f"config key {key!r}: bad value {value!r}") from None
+
+
+def _sweep(spec: str) -> tuple[str, list[str]]:
+    key, _, values = spec.partition("=")
+    if not values:
+        raise SystemExit("--sweep wants KEY=V1,V2,...")
+    return key, values.split(",")
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b == 0:
+        return None
+    return a / b
+
+
+def _finite(obj):
+    """NaN/inf (a percentile of nothing) -> None, so results.json is strict JSON (null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
         out[key] = _coerce(key, value)
     return out
 
@@ -66,19 +99,22 @@ async def _bench(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, runs = {}, {}
-    vocab_size = 20000
+    vocab_size = args.vocab_size or 20000
     if args.url:
+        if args.sweep:
+            raise SystemExit("--sweep changes engine config: in-process only, not with --url")
         targets = [(args.url, {})]
     else:
+        sweep = _sweep(args.sweep) if args.sweep else None  # checked before the model loads
         base = EngineConfig.load(args.config if Path(args.config).exists() else None, **_overrides(args.set))
         if args.model:
             base = base.with_overrides(model=args.model)
         loaded = load_model(base.model.model, base.model.resolved_cache_dir(), DTYPES[base.model.dtype])
-        vocab_size = len(loaded.tokenizer)
+        vocab_size = args.vocab_size or len(loaded.tokenizer)
         policies = args.policies.split(",")
-        if args.sweep:
-            key, _, values = args.sweep.partition("=")
-            targets = [(f"{policies[0]} {key}={v}", {"policy": policies[0], key: _coerce(key, v)}) for v in values.split(",")]
+        if sweep:
+            key, values = sweep
+            targets = [(f"{policies[0]} {key}={v}", {"policy": policies[0], key: _coerce(key, v)}) for v in values]
         else:
             targets = [(p, {"policy": p}) for p in policies]
     requests = workload.make(args.workload, args.seed, args.num_requests, args.rate, vocab_size)
@@ -93,6 +129,9 @@ async def _bench(args) -> dict:
                 timings, duration, steps = await run_in_process(engine, requests, lambda: bar.update())
             start = min(t.arrival for t in timings)
         bar.close()
+        failed = [t for t in timings if not t.ok]
+        if failed:
+            print(f"{name}: {len(failed)} of {len(timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
         results[name] = report.result(timings, duration, steps, args.slo_ttft_ms, args.slo_itl_ms)
         runs[name] = {"timings": timings, "steps": steps, "start": start}
     summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results}
@@ -100,25 +139,27 @@ async def _bench(args) -> dict:
         summary["config"] = base.to_dict()
         names = list(results)
         if {"static", "continuous"} <= set(names) and results["static"]["output_tokens_per_s"]:
-            summary["continuous_over_static_throughput"] = (
-                results["continuous"]["output_tokens_per_s"] / results["static"]["output_tokens_per_s"])
+            summary["continuous_over_static_throughput"] = _ratio(
+                results["continuous"]["output_tokens_per_s"], results["static"]["output_tokens_per_s"])
         if {"continuous", "chunked"} <= set(names) and "steady_itl_ms_max" in results["chunked"]:
             c, k = results["continuous"], results["chunked"]
             summary["chunked_over_continuous"] = {
-                "steady_itl_max": k["steady_itl_ms_max"] / c["steady_itl_ms_max"],
-                "steady_itl_p99": k["steady_itl_ms_p99"] / c["steady_itl_ms_p99"],
-                "long_ttft": k["long_ttft_ms_max"] / c["long_ttft_ms_max"],
+                "steady_itl_max": _ratio(k.get("steady_itl_ms_max"), c.get("steady_itl_ms_max")),
+                "steady_itl_p99": _ratio(k.get("steady_itl_ms_p99"), c.get("steady_itl_ms_p99")),
+                "long_ttft": _ratio(k.get("long_ttft_ms_max"), c.get("long_ttft_ms_max")),
             }
     plots = []
     if not args.no_plots:
         if args.sweep:
-            key, _, values = args.sweep.partition("=")
-            plots.append(report.plot_sweep(key, [_coerce(key, v) for v in values.split(",")], list(results.values()), out_dir))
+            key, values = _sweep(args.sweep)
+            plots.append(report.plot_sweep(key, [_coerce(key, v) for v in values], list(results.values()), out_dir,
+                                           policy=args.policies.split(",")[0]))
         else:
             budget = None
             plots += report.plot(runs, out_dir, budget)
     summary["plots"] = plots
-    (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
+    summary = _finite(summary)
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
 
 

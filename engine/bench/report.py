@@ -10,25 +10,26 @@ from engine.messages import StepRecord
 
 def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord] | None, slo_ttft_ms, slo_itl_ms) -> dict:
     out = summarize(timings, duration, _s(slo_ttft_ms), _s(slo_itl_ms))
-    steady = [t for t in timings if t.tag == "steady"]
-    long = [t for t in timings if t.tag == "long"]
+    steady = [t for t in timings if t.tag == "steady" and t.ok]
+    long = [t for t in timings if t.tag == "long" and t.ok]
     if steady:
         gaps = [x for t in steady for x in t.itls]
         out["steady_itl_ms_p50"] = percentile(gaps, 50) * 1000
         out["steady_itl_ms_p99"] = percentile(gaps, 99) * 1000
         out["steady_itl_ms_max"] = max(gaps, default=float("nan")) * 1000
     if long:
-        out["long_ttft_ms_p50"] = percentile([t.ttft for t in long if t.ttft is not None], 50) * 1000
-        out["long_ttft_ms_max"] = max((t.ttft for t in long if t.ttft is not None), default=float("nan")) * 1000
+        ttfts = [t.ttft for t in long if t.ttft is not None]
+        out["long_ttft_ms_p50"] = percentile(ttfts, 50) * 1000
+        out["long_ttft_ms_max"] = max(ttfts, default=float("nan")) * 1000
     if steps is not None:
         padding = sum(s.num_padding_tokens for s in steps)
         total = sum(s.num_prefill_tokens + s.num_decode_tokens + s.num_padding_tokens for s in steps)
         cached = sum(s.num_cached_tokens for s in steps)
-        prompt = sum(t.num_prompt_tokens for t in timings)
+        prefilled = sum(s.num_prefill_tokens for s in steps)  # recomputation after preemption included
         out["num_steps"] = len(steps)
         out["padding_waste_pct"] = 100 * padding / total if total else 0.0
         out["preemptions"] = steps[-1].num_preemptions if steps else 0
-        out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+        out["prefix_cache_hit_rate"] = cached / (cached + prefilled) if cached + prefilled else 0.0
         out["tokens_processed"] = total
     return out
 
@@ -41,6 +42,7 @@ COLUMNS = [
     ("output_tokens_per_s", "out tok/s", "{:.1f}"), ("requests_per_s", "req/s", "{:.2f}"),
     ("ttft_ms_p50", "TTFT p50", "{:.0f}"), ("ttft_ms_p99", "TTFT p99", "{:.0f}"),
     ("itl_ms_p50", "ITL p50", "{:.0f}"), ("itl_ms_p99", "ITL p99", "{:.0f}"), ("itl_ms_max", "ITL max", "{:.0f}"),
+    ("tpot_ms_p50", "TPOT p50", "{:.0f}"),
     ("e2e_ms_p50", "E2E p50", "{:.0f}"), ("e2e_ms_p99", "E2E p99", "{:.0f}"), ("goodput_rps", "goodput", "{:.2f}"),
     ("padding_waste_pct", "pad %", "{:.1f}"), ("preemptions", "preempt", "{}"),
     ("prefix_cache_hit_rate", "prefix hit", "{:.2f}"), ("steady_itl_ms_p99", "steady ITL p99", "{:.0f}"),
@@ -118,7 +120,7 @@ def plot(runs: dict[str, dict], out_dir, budget: int | None) -> list[str]:
     return paths
 
 
-def plot_sweep(key: str, values: list, results: list[dict], out_dir) -> str:
+def plot_sweep(key: str, values: list, results: list[dict], out_dir, policy: str = "chunked") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,14 +129,19 @@ def plot_sweep(key: str, values: list, results: list[dict], out_dir) -> str:
     fig, ax1 = plt.subplots(figsize=(6, 3.6))
     itl = [r.get("steady_itl_ms_p99", r["itl_ms_p99"]) for r in results]
     ttft = [r.get("long_ttft_ms_max", r["ttft_ms_p99"]) for r in results]
-    ax1.plot(values, itl, "o-", color="#4C72B0", label="ITL p99 (ms)")
-    ax1.set_xscale("log", base=2)
+    numeric = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)
+    xs = list(values) if numeric else list(range(len(values)))  # log2 axis for sizes, else categories
+    ax1.plot(xs, itl, "o-", color="#4C72B0", label="ITL p99 (ms)")
+    if numeric:
+        ax1.set_xscale("log", base=2)
+    else:
+        ax1.set_xticks(xs, [str(v) for v in values])
     ax1.set_xlabel(key)
     ax1.set_ylabel("ITL p99 (ms)", color="#4C72B0")
     ax2 = ax1.twinx()
-    ax2.plot(values, ttft, "s--", color="#C44E52", label="long-prompt TTFT (ms)")
+    ax2.plot(xs, ttft, "s--", color="#C44E52", label="long-prompt TTFT (ms)")
     ax2.set_ylabel("long-prompt TTFT (ms)", color="#C44E52")
-    ax1.set_title(f"chunked: latency trade-off vs {key}")
+    ax1.set_title(f"{policy}: latency trade-off vs {key}")
     fig.tight_layout()
     return _save(fig, out_dir / f"sweep_{key}.png")
 

@@ -1,5 +1,9 @@
 """Run a workload and time every token: in-process against an Engine, or remotely against
-any OpenAI-compatible server (streaming /v1/completions with token-id prompts, ignore_eos)."""
+any OpenAI-compatible server (streaming /v1/completions with token-id prompts, ignore_eos).
+
+`token_times` holds one time per delivery: in-process an output (one token per step),
+remotely a content chunk (a token is seen only when its text is, so one chunk may carry
+several); the remote output token count comes from the final usage chunk."""
 
 from __future__ import annotations
 
@@ -14,20 +18,35 @@ from engine.engine import Engine
 from engine.messages import StepRecord
 from engine.request import SamplingParams
 
+GATE_POLL_S = 0.002  # how often a gated request checks the run's token count
+RECORD_WAIT_S = 5.0  # how long to wait for the last step's record after the last request
+
 
 async def _paced(requests: list[BenchRequest], one: Callable, on_done: Callable[[], None]) -> tuple[list[RequestTiming], float]:
+    """Send each request at its arrival offset (and, if gated, once the run has received
+    `after_tokens` output tokens in all); time it with `one(request, timing)`."""
     start = time.perf_counter()
+    started: list[RequestTiming] = []
+    ungated_left = sum(1 for r in requests if not r.after_tokens)
 
     async def launch(r: BenchRequest) -> RequestTiming:
+        nonlocal ungated_left
         delay = start + r.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        # a gate that can no longer open (every ungated request is done) opens anyway
+        while r.after_tokens and ungated_left and sum(t.num_output_tokens for t in started) < r.after_tokens:
+            await asyncio.sleep(GATE_POLL_S)
         timing = RequestTiming(tag=r.tag, arrival=time.perf_counter(), num_prompt_tokens=len(r.prompt_token_ids))
+        started.append(timing)
         try:
             await one(r, timing)
-        except Exception:
+        except Exception as e:
             timing.ok = False
+            timing.error = timing.error or f"{type(e).__name__}: {e}"
         timing.end = time.perf_counter()
+        if not r.after_tokens:
+            ungated_left -= 1
         on_done()
         return timing
 
@@ -36,10 +55,14 @@ async def _paced(requests: list[BenchRequest], one: Callable, on_done: Callable[
 
 
 def _mark(timing: RequestTiming, num_new: int) -> None:
+    """A delivery of `num_new` tokens: one timestamp, however many tokens (several tokens that
+    arrive together are one gap for the reader, not gaps of zero)."""
+    if not num_new:
+        return
     now = time.perf_counter()
-    if num_new and timing.first_token is None:
+    if timing.first_token is None:
         timing.first_token = now
-    timing.token_times += [now] * num_new
+    timing.token_times.append(now)
     timing.num_output_tokens += num_new
 
 
@@ -61,9 +84,17 @@ async def run_in_process(
             _mark(timing, len(out.token_ids))
             if out.finish_reason in ("error", "abort"):
                 timing.ok = False
+                timing.error = f"finish_reason {out.finish_reason}: {out.error}"
 
     timings, duration = await _paced(requests, one, on_done)
+    # The scheduler publishes a step's record after handing out its tokens: wait for the
+    # record of the last step taken, so the step figures cover the whole run.
+    last = getattr(getattr(engine, "scheduler", None), "step", 0)
+    deadline = time.perf_counter() + RECORD_WAIT_S
+    while (not steps or steps[-1].step < last) and not recorder.done() and time.perf_counter() < deadline:
+        await asyncio.sleep(0.001)
     recorder.cancel()
+    await asyncio.gather(recorder, return_exceptions=True)
     return timings, duration, steps
 
 
@@ -78,6 +109,8 @@ async def run_remote(
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
         if model is None:
             async with session.get(f"{url}/v1/models") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"GET {url}/v1/models: HTTP {resp.status}: {await resp.text()}")
                 model = (await resp.json())["data"][0]["id"]
 
         async def one(r: BenchRequest, timing: RequestTiming) -> None:
@@ -86,7 +119,7 @@ async def run_remote(
             async with session.post(f"{url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-                usage_tokens = None
+                usage_tokens, finish_reason = None, None
                 async for raw in resp.content:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line == "data: [DONE]":
@@ -96,9 +129,16 @@ async def run_remote(
                         raise RuntimeError(chunk["error"])
                     if chunk.get("usage"):
                         usage_tokens = chunk["usage"].get("completion_tokens")
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        _mark(timing, 1)  # servers send one chunk per token when streaming
-                if usage_tokens is not None:
+                    for choice in chunk.get("choices") or []:
+                        # A content chunk carries one or more tokens (a server holds back a token
+                        # that ends mid-character, and sends it with the next). A chunk with
+                        # empty text counts too, unless it only says the stream is finished.
+                        if choice.get("text") or not choice.get("finish_reason"):
+                            _mark(timing, 1)
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                if finish_reason is None:
+                    raise RuntimeError("the stream ended without a finish_reason")
+                if usage_tokens is not None:  # exact, where chunks may hold several tokens
                     timing.num_output_tokens = usage_tokens
 
         timings, duration = await _paced(requests, one, on_done)

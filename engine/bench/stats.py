@@ -1,7 +1,12 @@
-"""Statistics over per-request timings: percentiles, throughput, goodput."""
+"""Statistics over per-request timings: percentiles, throughput, goodput.
+
+Latency and throughput figures cover the requests that completed (`ok`); failed requests
+are only counted, in `num_failed`. See docs/bench.md for every definition.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -10,11 +15,12 @@ class RequestTiming:
     tag: str
     arrival: float  # absolute times (time.perf_counter) of send, first token, each token
     first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # one per delivery of tokens (remote: content chunk)
     end: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     ok: bool = True
+    error: str | None = None  # why the request failed, when it did
 
     @property
     def ttft(self) -> float | None:
@@ -28,6 +34,14 @@ class RequestTiming:
     def e2e(self) -> float | None:
         return None if self.end is None else self.end - self.arrival
 
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first: (last token - first token) / (n - 1).
+        Unlike ITL it stays per token when a server streams several tokens in one chunk."""
+        if self.first_token is None or not self.token_times or self.num_output_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.first_token) / (self.num_output_tokens - 1)
+
 
 def percentile(values: list[float], p: float) -> float:
     """Linear-interpolated percentile (numpy's default method); nan for no values."""
@@ -35,13 +49,14 @@ def percentile(values: list[float], p: float) -> float:
         return float("nan")
     xs = sorted(values)
     k = (len(xs) - 1) * p / 100
-    lo = int(k)
+    lo = math.floor(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def goodput(timings: list[RequestTiming], duration_s: float, slo_ttft_s: float | None, slo_itl_s: float | None) -> float:
-    """Requests per second that met every given SLO (TTFT, and worst inter-token gap)."""
+    """Completed requests per second that met every given SLO: TTFT <= slo_ttft_s, and every
+    inter-token gap <= slo_itl_s. With no SLO given, the completed requests per second."""
     if duration_s <= 0:
         return 0.0
     good = 0
@@ -57,23 +72,27 @@ def goodput(timings: list[RequestTiming], duration_s: float, slo_ttft_s: float |
 
 
 def summarize(timings: list[RequestTiming], duration_s: float, slo_ttft_s=None, slo_itl_s=None) -> dict:
-    ttfts = [t.ttft for t in timings if t.ttft is not None]
-    itls = [x for t in timings for x in t.itls]
-    e2es = [t.e2e for t in timings if t.e2e is not None]
-    out_tokens = sum(t.num_output_tokens for t in timings)
+    done = [t for t in timings if t.ok]
+    ttfts = [t.ttft for t in done if t.ttft is not None]
+    itls = [x for t in done for x in t.itls]
+    tpots = [t.tpot for t in done if t.tpot is not None]
+    e2es = [t.e2e for t in done if t.e2e is not None]
+    out_tokens = sum(t.num_output_tokens for t in done)
     ms = 1000.0
     return {
         "num_requests": len(timings),
-        "num_failed": sum(1 for t in timings if not t.ok),
+        "num_failed": len(timings) - len(done),
         "duration_s": duration_s,
         "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / duration_s if duration_s else 0.0,
-        "requests_per_s": len(timings) / duration_s if duration_s else 0.0,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_per_s": len(done) / duration_s if duration_s > 0 else 0.0,
         "ttft_ms_p50": percentile(ttfts, 50) * ms,
         "ttft_ms_p99": percentile(ttfts, 99) * ms,
         "itl_ms_p50": percentile(itls, 50) * ms,
         "itl_ms_p99": percentile(itls, 99) * ms,
         "itl_ms_max": (max(itls) if itls else float("nan")) * ms,
+        "tpot_ms_p50": percentile(tpots, 50) * ms,
+        "tpot_ms_p99": percentile(tpots, 99) * ms,
         "e2e_ms_p50": percentile(e2es, 50) * ms,
         "e2e_ms_p99": percentile(e2es, 99) * ms,
         "goodput_rps": goodput(timings, duration_s, slo_ttft_s, slo_itl_s),

@@ -2,7 +2,9 @@
 
 - mixed: many short prompts and a share of long ones, varied output lengths; all at once
   (rate 0) or Poisson arrivals at `rate` requests/s.
-- spike: steady streams decoding, then long prompts arrive mid-stream.
+- spike: steady streams decoding, then long prompts arrive mid-stream: once the streams have
+  received a quarter of their tokens (a token count, not a clock time, so the spike lands
+  mid-stream on any hardware).
 - sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
   traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
 """
@@ -18,7 +20,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float  # offset from the start of the run
-    tag: str = ""  # "long" for the spike's long prompts, "steady" for its streams
+    tag: str = ""  # "long"/"short" in mixed; "long" for the spike's long prompts, "steady" for its streams
+    after_tokens: int = 0  # also wait until the run has received this many output tokens in all
 
 
 def _prompt(rng: random.Random, n: int, vocab: range) -> list[int]:
@@ -39,11 +42,14 @@ def mixed(seed: int = 0, num_requests: int = 64, rate: float = 0.0, vocab: range
 
 def spike(
     seed: int = 0, num_streams: int = 12, num_long: int = 2, long_len: int = 2000, stream_tokens: int = 256,
-    spike_at_s: float = 3.0, vocab: range = range(100, 20000),
+    spike_after: float = 0.25, spike_at_s: float = 0.0, vocab: range = range(100, 20000),
 ) -> list[BenchRequest]:
+    """The long prompts are sent once the streams have received `spike_after` of their
+    tokens in all (and not before `spike_at_s`)."""
     rng = random.Random(seed)
     out = [BenchRequest(_prompt(rng, rng.randint(16, 48), vocab), stream_tokens, 0.0, "steady") for _ in range(num_streams)]
-    out += [BenchRequest(_prompt(rng, long_len, vocab), 16, spike_at_s, "long") for _ in range(num_long)]
+    gate = int(num_streams * stream_tokens * spike_after)
+    out += [BenchRequest(_prompt(rng, long_len, vocab), 16, spike_at_s, "long", gate) for _ in range(num_long)]
     return out
 
 
@@ -69,8 +75,8 @@ def make(
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     # skip the lowest ids (specials and control bytes in most vocabularies)
     vocab = range(min(100, vocab_size // 2), min(20000, vocab_size))
-    if name == "spike":
-        return spike(seed, vocab=vocab)
+    if name == "spike":  # arrivals are set by the spike itself: `rate` does not apply
+        return spike(seed, num_streams=max(1, num_requests - 2) if num_requests else 12, vocab=vocab)
     kwargs = {"seed": seed, "rate": rate, "vocab": vocab}
     if num_requests:
         kwargs["num_requests"] = num_requests

@@ -1,0 +1,93 @@
+"""engine.bench.workload: every named workload is reproducible by seed, keeps to its
+documented lengths and to the vocabulary, and spaces arrivals as documented."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from engine.bench import workload
+from engine.bench.workload import WORKLOADS, make
+
+NAMES = sorted(WORKLOADS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reproducible_by_seed(name):
+    a = make(name, seed=1, num_requests=16, rate=4.0)
+    assert a == make(name, seed=1, num_requests=16, rate=4.0)
+    assert a != make(name, seed=2, num_requests=16, rate=4.0)
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in make(name, seed=2, num_requests=16, rate=4.0)]
+
+
+def test_mixed_lengths():
+    reqs = make("mixed", seed=0, num_requests=64)
+    assert len(reqs) == 64
+    long = [r for i, r in enumerate(reqs) if i % 4 == 3]
+    short = [r for i, r in enumerate(reqs) if i % 4 != 3]
+    assert len(long) == 16 and all(r.tag == "long" for r in long) and all(r.tag == "short" for r in short)
+    assert all(400 <= len(r.prompt_token_ids) <= 900 for r in long)
+    assert all(16 <= len(r.prompt_token_ids) <= 160 for r in short)
+    assert all(16 <= r.max_tokens <= 160 for r in reqs)
+    assert all(r.arrival_s == 0.0 and r.after_tokens == 0 for r in reqs)
+    assert len({r.max_tokens for r in reqs}) > 10  # varied, not constant
+
+
+def test_spike_shape():
+    reqs = make("spike", seed=0)
+    steady = [r for r in reqs if r.tag == "steady"]
+    long = [r for r in reqs if r.tag == "long"]
+    assert len(steady) == 12 and len(long) == 2 and reqs[:12] == steady  # streams first, then the spike
+    assert all(16 <= len(r.prompt_token_ids) <= 48 and r.max_tokens == 256 for r in steady)
+    assert all(r.arrival_s == 0.0 and r.after_tokens == 0 for r in steady)
+    assert all(len(r.prompt_token_ids) == 2000 and r.max_tokens == 16 for r in long)
+    # the long prompts wait until the streams have received a quarter of their tokens
+    assert all(r.after_tokens == 12 * 256 // 4 for r in long)
+
+
+def test_spike_options():
+    assert len(make("spike", num_requests=6)) == 6  # 4 streams + 2 long prompts
+    reqs = workload.spike(num_streams=3, num_long=1, long_len=50, stream_tokens=40, spike_after=0.5, spike_at_s=1.5)
+    assert [r.tag for r in reqs] == ["steady"] * 3 + ["long"]
+    assert reqs[-1].after_tokens == 60 and reqs[-1].arrival_s == 1.5 and len(reqs[-1].prompt_token_ids) == 50
+    assert workload.spike(spike_after=0.0)[-1].after_tokens == 0
+
+
+def test_sharegpt_like_bounds():
+    reqs = make("sharegpt-like", seed=0, num_requests=400)
+    prompts = [len(r.prompt_token_ids) for r in reqs]
+    outputs = [r.max_tokens for r in reqs]
+    assert all(4 <= n <= 1500 for n in prompts) and all(4 <= m <= 400 for m in outputs)
+    assert 150 <= statistics.median(prompts) <= 260  # log-normal, median e^5.3 ~ 200
+    assert 110 <= statistics.median(outputs) <= 190  # median e^5.0 ~ 148
+    assert max(prompts) > 600 and min(prompts) < 60  # heavy-tailed both ways
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("vocab_size, lo, hi", [(259, 100, 259), (20, 10, 20), (50_000, 100, 20_000)])
+def test_token_ids_in_vocab(name, vocab_size, lo, hi):
+    reqs = make(name, seed=3, num_requests=12, vocab_size=vocab_size)
+    ids = {t for r in reqs for t in r.prompt_token_ids}
+    assert ids and lo <= min(ids) and max(ids) < hi
+    assert len(ids) > min(hi - lo, 100) // 2  # spread over the range
+
+
+@pytest.mark.parametrize("name", ["mixed", "sharegpt-like"])
+def test_poisson_arrivals(name):
+    reqs = make(name, seed=5, num_requests=300, rate=10.0)
+    arrivals = [r.arrival_s for r in reqs]
+    assert all(0 < a < b for a, b in zip(arrivals, arrivals[1:]))
+    gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals)]
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.2)  # exponential gaps, mean 1/rate
+    assert statistics.stdev(gaps) == pytest.approx(0.1, rel=0.25)  # exponential: stdev = mean
+    assert all(r.arrival_s == 0.0 for r in make(name, seed=5, num_requests=20, rate=0.0))
+
+
+def test_spike_ignores_rate():
+    assert make("spike", seed=0, rate=5.0) == make("spike", seed=0)
+
+
+def test_unknown_workload():
+    with pytest.raises(ValueError, match="unknown workload"):
+        make("nope")
