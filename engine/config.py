@@ -77,13 +77,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""
+    protect_metrics: bool = False  # with api_key: /metrics needs the key too
+    protect_health: bool = False  # with api_key: /health needs the key too
     served_model_name: str = "SmolLM2-135M-Instruct"
     max_body_bytes: int = 1 << 20
+    shutdown_grace_ms: int = 5000  # on SIGINT/SIGTERM: how long in-flight generations may run on
 
     def validate(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
         _require(bool(self.host), "host", "must not be empty")
         _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        _require(self.shutdown_grace_ms >= 0, "shutdown_grace_ms", "must be >= 0")
 
 
 SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig}

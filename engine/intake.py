@@ -94,7 +94,12 @@ class Intake:
                 for m in msg.messages
             ):
                 raise RequestError("messages must be a list of {role: str, content: str}", "messages")
-            text = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=False)
+            if not msg.messages:
+                raise RequestError("messages must not be empty", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
+                raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
         elif isinstance(msg.prompt, list):
             return list(msg.prompt)
         elif isinstance(msg.prompt, str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 
@@ -11,6 +10,7 @@ import torch
 
 from engine.detokenizer import Detokenizer
 from engine.errors import RequestError
+from engine.output_buffer import OutputBuffer
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,7 +80,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.outputs = OutputBuffer()  # bounded: a slow reader gets coalesced deltas
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+# Temperatures below this are greedy: dividing logits by a (positive) temperature this small
+# overflows to inf, and softmax then gives NaN (which used to fail the whole step). vLLM's rule.
+SAMPLING_EPS = 1e-5
+
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """logits: [V]. Keep the k largest (k <= 0 = keep all)."""
@@ -38,7 +42,7 @@ def sample_one(
     top_p: float,
     generator: torch.Generator | None,
 ) -> int:
-    if temperature == 0.0:
+    if temperature < SAMPLING_EPS:
         return int(torch.argmax(logits))
     scaled = apply_top_p(apply_top_k(logits / temperature, top_k), top_p)
     probs = torch.softmax(scaled, dim=-1)
@@ -52,7 +56,7 @@ def sample(
     top_ps: list[float],
     generators: list[torch.Generator | None],
 ) -> list[int]:
-    greedy = [i for i, t in enumerate(temperatures) if t == 0.0]
+    greedy = [i for i, t in enumerate(temperatures) if t < SAMPLING_EPS]
     out = [0] * logits.shape[0]
     if greedy:
         # one argmax for every greedy row: the common case stays a single kernel
@@ -60,6 +64,6 @@ def sample(
         for i, tok in zip(greedy, ids):
             out[i] = tok
     for i, t in enumerate(temperatures):
-        if t != 0.0:
+        if t >= SAMPLING_EPS:
             out[i] = sample_one(logits[i], t, top_ks[i], top_ps[i], generators[i])
     return out

@@ -5,8 +5,11 @@ Every config key has a flag (`--max-num-batched-tokens 512`, `--policy static`,
 `--config PATH` (default ./config.toml when present, else built-in defaults).
 
 HTTP comes up first and answers /health with 503 while the model loads in the background.
-SIGINT / SIGTERM shut down cleanly: stop accepting, end live streams, wait for handlers,
-stop the engine, exit 0. A second signal exits at once.
+SIGINT / SIGTERM shut down cleanly: new requests get 503 (code shutting_down) and /health
+503 at once; in-flight generations may finish for up to `--shutdown-grace-ms` ([server]
+shutdown_grace_ms, default 0); then the socket closes, what is left is aborted (a stream ends
+with an error event and [DONE], a non-streamed request gets 503), handlers are waited for,
+the engine stops, exit 0. A second signal exits at once.
 """
 
 from __future__ import annotations

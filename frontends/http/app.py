@@ -20,7 +20,7 @@ from aiohttp import web
 from engine import Engine
 from frontends.http import chat, completions, models, observe
 from frontends.http.auth import api_key_middleware
-from frontends.http.errors import error_middleware
+from frontends.http.errors import body_limit_middleware, error_middleware
 from frontends.http.feed import StepFeed
 from frontends.http.metrics import Metrics
 from frontends.http.state import STATE, ServerState
@@ -40,9 +40,10 @@ def create_app(
     clock: Callable[[], int] = lambda: int(time.time()),
 ) -> web.Application:
     server = engine.config.server
-    middlewares = [error_middleware]
+    middlewares = [error_middleware, body_limit_middleware(server.max_body_bytes)]
     if server.api_key:
-        middlewares.append(api_key_middleware(server.api_key))
+        middlewares.append(api_key_middleware(server.api_key, protect_metrics=server.protect_metrics,
+                                              protect_health=server.protect_health))
     app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
     metrics = Metrics(engine, server.served_model_name)
     app[STATE] = ServerState(engine, metrics, StepFeed(engine, metrics), LiveRequests(), new_id, clock)

@@ -1,8 +1,9 @@
 """Every failure leaves as an OpenAI error: {"error": {"message", "type", "param", "code"}}.
 
 `ApiError` is raised anywhere in a handler; `error_middleware` renders it, and turns
-aiohttp's own HTTP errors (413 body too large, 404 unknown route, 405) and any unexpected
-exception into the same shape. `from_engine` maps the engine's exceptions to statuses.
+aiohttp's own HTTP errors (413 body too large, 404 unknown route, 405), a body that cannot
+be read (400: broken chunking or content encoding) and any unexpected exception into the
+same shape. `from_engine` maps the engine's exceptions to statuses.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from engine import ContextLengthError, EngineDeadError, QueueFullError, RequestError
 
@@ -55,6 +58,20 @@ def from_engine(e: Exception) -> ApiError:
     raise e
 
 
+def body_limit_middleware(max_body_bytes: int):
+    """413 at once for a body whose declared length is over the limit: without this the
+    handler would wait for bytes it is going to refuse (aiohttp checks as they arrive)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            raise ApiError(413, f"request body too large: {request.content_length} bytes declared, the limit is "
+                           f"{max_body_bytes}", code="request_too_large")
+        return await handler(request)
+
+    return check
+
+
 def shutting_down() -> ApiError:
     return ApiError(503, "server is shutting down", code="shutting_down")
 
@@ -67,6 +84,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return e.response()
     except web.HTTPRequestEntityTooLarge as e:
         return ApiError(413, f"request body too large: {e.text}", code="request_too_large").response()
+    except (RequestPayloadError, HttpProcessingError) as e:  # a body that cannot be read: bad chunking, bad gzip
+        cause = e.__cause__ or e
+        detail = getattr(cause, "message", "") or str(cause)
+        return ApiError(400, f"could not read the request body: {detail.strip()}", code="bad_request_body").response()
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -1,13 +1,51 @@
-"""HttpFrontend: the aiohttp app on a TCP socket, as a `Frontend`."""
+"""HttpFrontend: the aiohttp app on a TCP socket, as a `Frontend`.
+
+`stop()` shuts down gracefully: new requests get 503 at once (the socket stays open so they
+are told so) while in-flight generations run on for up to [server] shutdown_grace_ms; then
+the socket closes, what is still running is aborted (streams end with an error event and
+[DONE]) and the handlers are waited for.
+
+Requests too malformed to reach the app (broken HTTP framing, a header line over 8 KiB, too
+many headers) are answered by aiohttp's protocol itself; `_OpenAIErrorsHandler` makes those
+answers the OpenAI error shape too, so a client always gets {"error": {...}}.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from engine import Engine
 from frontends.http.app import create_app
+from frontends.http.errors import ApiError
+from frontends.http.state import STATE
+
+
+class _OpenAIErrorsHandler(RequestHandler):
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        text = "internal server error" if status >= 500 else f"malformed HTTP request: {(message or '').strip()}"
+        response = ApiError(status, text, code="internal_error" if status >= 500 else "bad_http_request").response()
+        response.force_close()
+        return response
+
+
+class _OpenAIErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _OpenAIErrorsServer  # same object, only its protocol factory differs
+        return server
 
 
 class HttpFrontend:
@@ -18,13 +56,15 @@ class HttpFrontend:
         self.access_log = access_log
         self.app_factory = app_factory
         self.runner: web.AppRunner | None = None
+        self.grace_s = 0.0
 
     async def start(self, engine: Engine) -> None:
         server = engine.config.server
         host = self.host or server.host
         port = server.port if self.port is None else self.port
+        self.grace_s = server.shutdown_grace_ms / 1000
         kwargs = {} if self.access_log else {"access_log": None}
-        self.runner = web.AppRunner(self.app_factory(engine), handler_cancellation=True, **kwargs)
+        self.runner = _Runner(self.app_factory(engine), handler_cancellation=True, **kwargs)
         await self.runner.setup()
         await web.TCPSite(self.runner, host, port).start()
         self.host, self.port = self.runner.addresses[0][:2]  # the bound port when asked for 0
@@ -35,5 +75,10 @@ class HttpFrontend:
 
     async def stop(self) -> None:
         if self.runner is not None:
+            live = self.runner.app[STATE].live
+            if self.grace_s and live.num_generations:
+                print(f"[stepwise] waiting up to {self.grace_s:g} s for {live.num_generations} in-flight "
+                      "request(s)", file=sys.stderr)
+            await live.drain(self.grace_s)
             await self.runner.cleanup()
             self.runner = None

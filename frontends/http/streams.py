@@ -1,6 +1,8 @@
 """The registry of live handlers (generations and step streams), so shutdown can end them.
 
-Shutdown aborts every tracked engine request — each handler then sees its final output
+Shutdown may first `drain`: from then on new generations are refused (503, and /health
+says so) while the ones in flight get up to the grace period to finish on their own. Then it
+aborts every tracked engine request — each handler then sees its final output
 (finish_reason "abort") and ends its response properly: an SSE error event and [DONE], or
 a 503 — and waits for the handlers; any still running after `timeout` are cancelled.
 """
@@ -31,6 +33,17 @@ class LiveRequests:
             yield
         finally:
             self._live.pop(task, None)
+
+    @property
+    def num_generations(self) -> int:
+        return sum(request_id is not None for request_id in self._live.values())
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work from now on; wait up to `timeout` for in-flight generations to end."""
+        self.closing = True
+        generations = [task for task, request_id in self._live.items() if request_id is not None]
+        if generations and timeout > 0:
+            await asyncio.wait(generations, timeout=timeout)
 
     async def close_all(self, engine: Engine, timeout: float) -> None:
         self.closing = True

@@ -49,6 +49,7 @@ def test_bad_flag_values_exit_2(capsys):
 async def test_serve_stream_and_sigint():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "frontends.cli", "--model", "tiny-random", "--port", "0", "--served-model-name", "tiny",
+        "--shutdown-grace-ms", "0",
         stderr=asyncio.subprocess.PIPE,
     )
     try:
