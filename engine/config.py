@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 POLICIES = ("static", "continuous", "chunked")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

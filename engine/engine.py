@@ -69,11 +69,12 @@ class Engine:
         loaded = self._loaded or await asyncio.to_thread(
             load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype
         )
-        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, get_backend(cfg.model.attention_backend, device), device)
+        backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
+        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device)
         shape = model.shape
         kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
                            shape.head_dim, dtype, device)
-        print(f"[stepwise] model {loaded.name} on {device}; KV pool {cfg.cache.num_blocks} blocks x "
+        print(f"[stepwise] model {loaded.name} on {device}, {backend.name} attention; KV pool {cfg.cache.num_blocks} blocks x "
               f"{cfg.cache.block_size} tokens = {kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = shape.max_position

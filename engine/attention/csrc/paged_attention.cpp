@@ -1,0 +1,351 @@
+// Paged attention on CPU, straight from the paged KV cache (no gather). Built at first use by
+// engine/attention/cpu_backend.py and registered as torch.ops.stepwise_cpu.paged_attention.
+//
+// Work item = (tile, kv head g): a tile is up to a few consecutive query tokens of one
+// sequence; its rows are those tokens x the G = H / KVH query heads sharing kv head g, so each
+// K/V row is loaded once per item. Keys are visited in chunks of KC positions: first the
+// cached context (0..ctx-1, read through the block table), then the sequence's fresh keys
+// (ctx..last position of the tile, read from this step's k/v), each row only up to its own
+// position (causal). Online softmax per row (running max m, running sum l), fp32 accumulation.
+// Rows are processed in register blocks of up to RB_MAX rows (sharing each V load); scores
+// for 8 keys at a time are reduced together (transpose_reduce), not one horizontal sum each.
+// Items are pulled from an atomic counter (tiles come sorted longest first) so threads balance.
+//
+// SIMD through GCC/Clang vector extensions (8 fp32 lanes): portable C++ that any target
+// compiles; -march=native turns the vectors into single AVX2/FMA registers. 16 lanes (AVX-512)
+// measured slower on Zen 4, whose 512-bit ops are double-pumped.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int SW = 8;       // SIMD lanes
+constexpr int KC = 16;      // keys per chunk
+constexpr int KV = KC / SW;  // vectors per row of KC scores
+constexpr int RB_MAX = 4;   // rows per register block
+
+using vf = float __attribute__((vector_size(SW * 4)));
+using vi = int32_t __attribute__((vector_size(SW * 4)));
+using v4 = float __attribute__((vector_size(16)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const c10::BFloat16* p) {  // bf16 = top half of an fp32
+  using vu16 = uint16_t __attribute__((vector_size(SW * 2)));
+  using vu32 = uint32_t __attribute__((vector_size(SW * 4)));
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vf v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+
+inline float hsum(vf a) {
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  b += __builtin_shufflevector(b, b, 1, 0, 3, 2);
+  return b[0];
+}
+
+// Transpose-reduce: SW vectors of partial sums -> one vector of their SW sums, in SW - 1
+// (two-source shuffle, shuffle, add) steps instead of SW horizontal sums. A step folds each
+// 2h-lane block of x and of y in half and interleaves them; after all steps lane t holds the
+// sum of input bitrev(t), so callers feed input j with key bitrev(j).
+template <int h, int j>
+constexpr int lo_lane() {
+  return j % (2 * h) < h ? j / (2 * h) * 2 * h + j % (2 * h) : SW + j / (2 * h) * 2 * h + j % (2 * h) - h;
+}
+template <int h, int... j>
+inline vf combine(vf x, vf y, std::integer_sequence<int, j...>) {
+  return __builtin_shufflevector(x, y, lo_lane<h, j>()...) + __builtin_shufflevector(x, y, (lo_lane<h, j>() + h)...);
+}
+template <int h>
+inline void fold(vf* x, int n) {
+  for (int j = 0; j < n / 2; ++j) x[j] = combine<h>(x[2 * j], x[2 * j + 1], std::make_integer_sequence<int, SW>{});
+}
+inline vf transpose_reduce(vf* x) {
+  fold<4>(x, 8), fold<2>(x, 4), fold<1>(x, 2);
+  return x[0];
+}
+constexpr int bitrev(int j) {
+  int out = 0;
+  for (int b = 1; b < SW; b <<= 1, j >>= 1) out = out * 2 + (j & 1);
+  return out;
+}
+
+// e^x for x <= 0, SW lanes at a time (Cephes expf polynomial, ~1 ulp; below -87 gives ~0).
+__attribute__((always_inline)) inline vf exp_neg(vf x) {
+  x = x < -87.f ? vf{} - 87.f : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf y = vf{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  vf p2;
+  std::memcpy(&p2, &bits, sizeof p2);
+  return y * p2;
+}
+
+inline float hmax(vf v) {
+  float out = v[0];
+  for (int j = 1; j < SW; ++j) out = std::max(out, v[j]);
+  return out;
+}
+
+// Running state of RB rows: q [RB, D] (scaled fp32), acc [RB, D], m/l [RB], pos [RB].
+struct Rows {
+  const float* q;
+  float* acc;
+  float* m;
+  float* l;
+  const int* pos;
+};
+
+// One register block of RB rows against the n keys at positions p0.. (row pointers kp/vp,
+// padded to KC with repeats of the last): scores, online-softmax update, P.V accumulation.
+template <int RB, typename T, int DC>
+inline void block(const Rows& w, const T* const* kp, const T* const* vp, int n, int p0, int D_rt) {
+  const int D = DC ? DC : D_rt;
+  const int nv = D / SW;
+  float s[RB][KC] = {}, alpha[RB];  // scores, then probabilities
+  for (int r = 0; r < RB; ++r)  // s = q . k, SW keys at a time (kp is padded to KC keys)
+    for (int c0 = 0; c0 < KC; c0 += SW) {
+      vf part[SW];
+      for (int j = 0; j < SW; ++j) {
+        const T* k = kp[c0 + bitrev(j)];
+        vf acc{};
+        for (int i = 0; i < nv; ++i) acc += load(w.q + r * D + i * SW) * load(k + i * SW);
+        part[j] = acc;
+      }
+      vf sv = transpose_reduce(part);
+      for (int d = nv * SW; d < D; ++d)  // tail of D not a multiple of SW
+        for (int j = 0; j < SW; ++j) sv[j] += w.q[r * D + d] * to_f(kp[c0 + j][d]);
+      std::memcpy(&s[r][c0], &sv, sizeof sv);
+    }
+  vi lane;
+  for (int j = 0; j < SW; ++j) lane[j] = j;
+  for (int r = 0; r < RB; ++r) {  // online softmax; keys past the row's position get p = 0
+    const int valid = std::min(n, w.pos[r] - p0 + 1);
+    if (valid <= 0) {
+      alpha[r] = 1.f;
+      std::memset(s[r], 0, sizeof s[r]);
+      continue;
+    }
+    vf sv[KV];
+    std::memcpy(sv, s[r], sizeof sv);
+    vf mv = vf{} - std::numeric_limits<float>::infinity();
+    for (int j = 0; j < KV; ++j) mv = ((lane + j * SW < valid) & (sv[j] > mv)) ? sv[j] : mv;
+    const float m_new = std::max(w.m[r], hmax(mv));
+    alpha[r] = std::exp(w.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+    vf sum{};
+    for (int j = 0; j < KV; ++j) {
+      sv[j] = lane + j * SW < valid ? exp_neg(sv[j] - m_new) : vf{};
+      sum += sv[j];
+    }
+    std::memcpy(s[r], sv, sizeof sv);
+    w.l[r] = w.l[r] * alpha[r] + hsum(sum);
+    w.m[r] = m_new;
+  }
+  for (int i = 0; i < nv; ++i) {  // acc = acc * alpha + p . v
+    vf o[RB];
+    for (int r = 0; r < RB; ++r) o[r] = load(w.acc + r * D + i * SW) * alpha[r];
+    for (int c = 0; c < KC; ++c) {
+      const vf x = load(vp[c] + i * SW);
+      for (int r = 0; r < RB; ++r) o[r] += s[r][c] * x;
+    }
+    for (int r = 0; r < RB; ++r) store(w.acc + r * D + i * SW, o[r]);
+  }
+  for (int d = nv * SW; d < D; ++d)
+    for (int r = 0; r < RB; ++r) {
+      float x = w.acc[r * D + d] * alpha[r];
+      for (int c = 0; c < n; ++c) x += s[r][c] * to_f(vp[c][d]);
+      w.acc[r * D + d] = x;
+    }
+}
+
+struct Args {
+  const void *q, *k, *v, *kc, *vc;
+  void* out;
+  const int32_t* tiles;   // [num_tiles, 5]: seq, first token, num tokens, ctx, first position
+  const int32_t* tables;  // [B, W]
+  int64_t table_stride;
+  int64_t sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h;  // row / head strides (elements)
+  int64_t sc_b, sc_o, sc_h;                               // cache block / offset / head strides
+  int num_tiles, H, KVH, G, D, block_size, max_rows;
+  float scale;
+};
+
+template <typename T, int DC>
+void run(const Args& a) {
+  const int D = DC ? DC : a.D;
+  const int64_t num_items = int64_t(a.num_tiles) * a.KVH;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(a.max_rows * D), acc(a.max_rows * D), m(a.max_rows), l(a.max_rows);
+    std::vector<int> pos(a.max_rows);
+    const T* kp[KC];
+    const T* vp[KC];
+    for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
+      const int32_t* t = a.tiles + (item / a.KVH) * 5;
+      const int g = int(item % a.KVH), seq = t[0], tok0 = t[1], qt = t[2], ctx = t[3], pos0 = t[4];
+      const int R = qt * a.G;  // rows: r = token j * G + head-in-group
+      for (int r = 0; r < R; ++r) {
+        const T* qr = static_cast<const T*>(a.q) + (tok0 + r / a.G) * a.sq_t + (g * a.G + r % a.G) * a.sq_h;
+        for (int d = 0; d < D; ++d) qf[r * D + d] = to_f(qr[d]) * a.scale;
+        std::fill(&acc[r * D], &acc[r * D] + D, 0.f);
+        m[r] = -std::numeric_limits<float>::infinity();
+        l[r] = 0.f;
+        pos[r] = pos0 + r / a.G;
+      }
+      auto chunk = [&](int n, int p0) {  // all rows against keys p0..p0+n-1
+        for (int r0 = 0; r0 < R; r0 += RB_MAX) {
+          const Rows w{&qf[r0 * D], &acc[r0 * D], &m[r0], &l[r0], &pos[r0]};
+          switch (std::min(RB_MAX, R - r0)) {
+            case 1: block<1, T, DC>(w, kp, vp, n, p0, D); break;
+            case 2: block<2, T, DC>(w, kp, vp, n, p0, D); break;
+            case 3: block<3, T, DC>(w, kp, vp, n, p0, D); break;
+            default: block<4, T, DC>(w, kp, vp, n, p0, D); break;
+          }
+        }
+      };
+      // 1) cached context through the block table. Each chunk prefetches the next one's rows
+      // (the first, its own too) into L2 (L1 measured slower): scattered blocks defeat the
+      // hardware prefetcher, and without this decode runs at about half the speed.
+      const int32_t* table = a.tables + seq * a.table_stride;
+      const T* kc = static_cast<const T*>(a.kc) + g * a.sc_h;
+      const T* vc = static_cast<const T*>(a.vc) + g * a.sc_h;
+      auto offset = [&](int p) { return table[p / a.block_size] * a.sc_b + (p % a.block_size) * a.sc_o; };
+      for (int p0 = 0; p0 < ctx; p0 += KC) {
+        const int n = std::min(KC, ctx - p0);
+        for (int c = 0; c < n; ++c) {
+          const int64_t off = offset(p0 + c);
+          kp[c] = kc + off;
+          vp[c] = vc + off;
+        }
+        std::fill(kp + n, kp + KC, kp[n - 1]), std::fill(vp + n, vp + KC, vp[n - 1]);
+        for (int p = p0 ? p0 + KC : 0; p < std::min(ctx, p0 + 2 * KC); ++p) {
+          const char* kr = reinterpret_cast<const char*>(kc + offset(p));
+          const char* vr = reinterpret_cast<const char*>(vc + offset(p));
+          for (int b = 0; b < D * int(sizeof(T)); b += 64) {
+            __builtin_prefetch(kr + b, 0, 2);
+            __builtin_prefetch(vr + b, 0, 2);
+          }
+        }
+        chunk(n, p0);
+      }
+      // 2) fresh keys of this sequence, from this step's k/v (row of position p: first + p - ctx)
+      const int first = tok0 - (pos0 - ctx), last = pos0 + qt - 1;
+      for (int p0 = ctx; p0 <= last; p0 += KC) {
+        const int n = std::min(KC, last - p0 + 1);
+        for (int c = 0; c < n; ++c) {
+          const int64_t row = first + (p0 + c - ctx);
+          kp[c] = static_cast<const T*>(a.k) + row * a.sk_t + g * a.sk_h;
+          vp[c] = static_cast<const T*>(a.v) + row * a.sv_t + g * a.sv_h;
+        }
+        std::fill(kp + n, kp + KC, kp[n - 1]), std::fill(vp + n, vp + KC, vp[n - 1]);
+        chunk(n, p0);
+      }
+      for (int r = 0; r < R; ++r) {
+        T* o = static_cast<T*>(a.out) + (tok0 + r / a.G) * a.so_t + (g * a.G + r % a.G) * a.so_h;
+        const float inv = 1.f / l[r];
+        for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run_d(const Args& a) {
+  switch (a.D) {
+    case 64: return run<T, 64>(a);
+    case 128: return run<T, 128>(a);
+    default: return run<T, 0>(a);
+  }
+}
+
+// q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D], tiles [num_tiles, 5]
+// int32, block_tables [B, W] int32, out [T, H, D] (written). Last dims must be contiguous.
+// Every token of the batch must be in exactly one tile, or its output rows stay unwritten.
+void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& tiles, const at::Tensor& block_tables,
+                     const at::Tensor& out) {
+  for (const at::Tensor* x : {&q, &k, &v, &k_cache, &v_cache, &out}) {
+    TORCH_CHECK(x->device().is_cpu(), "paged_attention: CPU tensors only");
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "paged_attention: q/k/v/caches/out must share a dtype");
+    TORCH_CHECK(x->stride(-1) == 1, "paged_attention: last dim must be contiguous");
+  }
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k_cache and v_cache must share strides");
+  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.is_contiguous() && tiles.dim() == 2 && tiles.size(1) == 5);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1);
+  Args a{};
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.kc = k_cache.data_ptr(), a.vc = v_cache.data_ptr();
+  a.out = out.data_ptr();
+  a.tiles = tiles.data_ptr<int32_t>();
+  a.tables = block_tables.data_ptr<int32_t>();
+  a.table_stride = block_tables.stride(0);
+  a.sq_t = q.stride(0), a.sq_h = q.stride(1), a.sk_t = k.stride(0), a.sk_h = k.stride(1);
+  a.sv_t = v.stride(0), a.sv_h = v.stride(1), a.so_t = out.stride(0), a.so_h = out.stride(1);
+  a.sc_b = k_cache.stride(0), a.sc_o = k_cache.stride(1), a.sc_h = k_cache.stride(2);
+  a.num_tiles = int(tiles.size(0)), a.H = int(q.size(1)), a.KVH = int(k.size(1)), a.D = int(q.size(2));
+  TORCH_CHECK(a.KVH > 0 && a.H % a.KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  a.G = a.H / a.KVH, a.block_size = int(k_cache.size(1));
+  // Bounds of every index the kernel follows (a bad plan must not read out of bounds).
+  const int64_t num_tokens = q.size(0), num_seqs = block_tables.size(0), width = block_tables.size(1);
+  TORCH_CHECK(k.size(0) == num_tokens && v.size(0) == num_tokens && out.sizes() == q.sizes(), "token counts differ");
+  TORCH_CHECK(k_cache.size(2) == a.KVH && k_cache.size(3) == a.D && v_cache.sizes() == k_cache.sizes(), "cache shape");
+  int max_qt = 0;
+  for (int i = 0; i < a.num_tiles; ++i) {
+    const int32_t* t = a.tiles + i * 5;  // seq, first token, num tokens, ctx, first position
+    TORCH_CHECK(t[0] >= 0 && t[0] < num_seqs && t[2] > 0 && t[3] >= 0 && t[4] >= t[3] &&
+                    t[1] - (t[4] - t[3]) >= 0 && int64_t(t[1]) + t[2] <= num_tokens,
+                "paged_attention: tile ", i, " out of range");
+    const int64_t blocks = (int64_t(t[3]) + a.block_size - 1) / a.block_size;
+    TORCH_CHECK(blocks <= width, "paged_attention: context longer than the block table");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t id = a.tables[t[0] * a.table_stride + b];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "paged_attention: bad block id ", id);
+    }
+    max_qt = std::max(max_qt, int(t[2]));
+  }
+  a.max_rows = max_qt * a.G;
+  a.scale = 1.f / std::sqrt(float(a.D));
+  if (a.num_tiles == 0) return;
+  switch (q.scalar_type()) {
+    case at::kFloat: return run_d<float>(a);
+    case at::kBFloat16: return run_d<c10::BFloat16>(a);
+    default: TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stepwise_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor tiles, "
+        "Tensor block_tables, Tensor(a!) out) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+}
