@@ -8,38 +8,12 @@ import torch
 from engine.attention.cpu_backend import CpuAttention, cpu_kernel_available
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
+from tests.attention.batches import make_batch
 
 if not cpu_kernel_available():
     pytest.skip("CPU attention kernel cannot be built here", allow_module_level=True)
 
 NUM_BLOCKS = 128
-
-
-def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0):
-    """seqs: (context_len, query_len, is_padding). Blocks come from a shuffled pool, so block
-    ids are non-contiguous and out of order. Returns metadata, q/k/v and a random cache."""
-    h, kvh = heads
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    q_lens, ctx_lens, tables, slots = [], [], [], []
-    for ctx, q_len, pad in seqs:
-        if pad:
-            table, seq_slots = [], [-1] * q_len
-        else:
-            table = [pool.pop() for _ in range(-(-(ctx + q_len) // bs))]
-            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q_len)]
-        q_lens.append(q_len)
-        ctx_lens.append(ctx)
-        tables.append(table)
-        slots.extend(seq_slots)
-    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, slots, bs)
-    t = len(slots)
-    q = torch.randn(t, h, d, generator=gen).to(dtype)  # [T, H, D]
-    k = torch.randn(t, kvh, d, generator=gen).to(dtype)  # [T, KVH, D]
-    v = torch.randn(t, kvh, d, generator=gen).to(dtype)
-    k_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen).to(dtype)  # [N, bs, KVH, D]
-    v_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen).to(dtype)
-    return meta, q, k, v, k_cache, v_cache
 
 
 def run_both(seqs, tokens_per_tile=8, **kw):

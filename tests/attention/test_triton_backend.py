@@ -12,36 +12,11 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
-from engine.attention.torch_backend import TorchAttention  # noqa: E402
+from engine.attention.torch_backend import TorchAttention
+from tests.attention.batches import make_batch  # noqa: E402
 from engine.attention.triton_backend import TritonAttention  # noqa: E402
 
 H, KVH, D, BS, NUM_BLOCKS = 4, 2, 16, 4, 32
-
-
-def make_batch(seqs: list[tuple[int, int, bool]], seed: int = 0):
-    """seqs: (context_len, query_len, is_padding). Returns metadata, q/k/v and a random cache.
-    Blocks come from a shuffled pool, so block ids are non-contiguous and out of order."""
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    q_lens, ctx_lens, tables, slots = [], [], [], []
-    for ctx, q_len, pad in seqs:
-        if pad:
-            table, seq_slots = [], [-1] * q_len
-        else:
-            table = [pool.pop() for _ in range(-(-(ctx + q_len) // BS))]
-            seq_slots = [table[p // BS] * BS + p % BS for p in range(ctx, ctx + q_len)]
-        q_lens.append(q_len)
-        ctx_lens.append(ctx)
-        tables.append(table)
-        slots.extend(seq_slots)
-    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, slots, BS)
-    t = len(slots)
-    q = torch.randn(t, H, D, generator=gen)  # [T, H, D]
-    k = torch.randn(t, KVH, D, generator=gen)  # [T, KVH, D]
-    v = torch.randn(t, KVH, D, generator=gen)
-    k_cache = torch.randn(NUM_BLOCKS, BS, KVH, D, generator=gen)  # random "cached context"
-    v_cache = torch.randn(NUM_BLOCKS, BS, KVH, D, generator=gen)
-    return meta, q, k, v, k_cache, v_cache
 
 
 def naive(q, k, v, k_cache, v_cache, meta):
@@ -64,7 +39,7 @@ def naive(q, k, v, k_cache, v_cache, meta):
 
 
 def run_both(seqs, block_n=16, seed=0):
-    meta, q, k, v, k_cache, v_cache = make_batch(seqs, seed)
+    meta, q, k, v, k_cache, v_cache = make_batch(seqs, heads=(H, KVH), d=D, bs=BS, seed=seed, num_blocks=NUM_BLOCKS)
     expected_naive = naive(q, k, v, k_cache, v_cache, meta)
     kc_t, vc_t = k_cache.clone(), v_cache.clone()
     torch_be = TorchAttention()
