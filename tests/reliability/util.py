@@ -20,6 +20,7 @@ import aiohttp
 from engine import Engine, EngineConfig
 from frontends.http import HttpFrontend
 from frontends.http.state import STATE
+from tests.frontends.conftest import sse_events  # noqa: F401  (re-exported for the reliability tests)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=64, chunk_size=32,
@@ -111,17 +112,6 @@ class ThreadedServer:
 
 def live_registry(frontend: HttpFrontend):
     return frontend.runner.app[STATE].live
-
-
-def sse_events(body: bytes) -> list:
-    """An SSE body's payloads: JSON objects, or "[DONE]"."""
-    assert body.endswith(b"\n\n"), body[-200:]
-    events = []
-    for frame in body[:-2].split(b"\n\n"):
-        assert frame.startswith(b"data: "), frame
-        payload = frame[len(b"data: "):]
-        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
-    return events
 
 
 def stream_text(events: list) -> str:
