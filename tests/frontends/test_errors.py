@@ -54,7 +54,7 @@ def assert_openai_error(data: dict, param: str | None = None, fragment: str = ""
 
 
 async def ok(client) -> None:
-    resp = await client.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2})
+    resp = await client.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["usage"]["completion_tokens"] == 2
 

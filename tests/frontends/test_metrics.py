@@ -69,8 +69,8 @@ async def test_counts_follow_requests(tiny_model):
 async def test_two_servers_in_one_process(tiny_model):
     async with serving(tiny_model, tiny_config()) as (_, a), serving(tiny_model, tiny_config(policy="continuous")) as (_, b):
         for _ in range(2):
-            assert (await a.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
-        assert (await b.post("/v1/completions", json={"prompt": "y", "max_tokens": 3})).status == 200
+            assert (await a.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})).status == 200
+        assert (await b.post("/v1/completions", json={"prompt": "y", "max_tokens": 3, "ignore_eos": True})).status == 200
         await until(a, "vllm:generation_tokens_total", 4)
         await until(b, "vllm:generation_tokens_total", 3)
         assert await get_metric(b, "stepwise:steps_total", policy="continuous") == 3
