@@ -90,6 +90,8 @@ class Scheduler:
                 return True
             if not self._apply(msg):
                 return False
+        elif self.inbox.empty():
+            return True  # nothing changed: the snapshot published after the last step stands
         while not self.inbox.empty():
             if not self._apply(self.inbox.get_nowait()):
                 return False
