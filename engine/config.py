@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 POLICIES = ("static", "continuous", "chunked")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class ModelConfig:
     cache_dir: str = ""
     dtype: str = "float32"
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     device: str = "auto"
     num_threads: int = 0
     seed: int = 0
@@ -32,6 +34,7 @@ class ModelConfig:
         _require(bool(self.model), "model", "must not be empty")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(self.attention_backend in BACKENDS, "attention_backend", f"must be one of {BACKENDS}")
+        _require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         _require(self.num_threads >= 0, "num_threads", "must be >= 0")
 

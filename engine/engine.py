@@ -70,11 +70,11 @@ class Engine:
             load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype
         )
         backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
-        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device)
+        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend)
         shape = model.shape
         kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
                            shape.head_dim, dtype, device)
-        print(f"[stepwise] model {loaded.name} on {device}, {backend.name} attention; KV pool {cfg.cache.num_blocks} blocks x "
+        print(f"[stepwise] model {loaded.name} on {device}, {backend.name} attention, {model.linear} linears; KV pool {cfg.cache.num_blocks} blocks x "
               f"{cfg.cache.block_size} tokens = {kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = shape.max_position

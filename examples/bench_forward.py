@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
-from engine.attention.torch_backend import TorchAttention  # noqa: E402
+from engine.attention.backend import get_backend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
@@ -162,14 +162,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs per shape (median)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median)")
+    parser.add_argument("--attention", default=None, help="our attention backend (default: config.toml's)")
+    parser.add_argument("--linear", default=None, help="our linear backend: auto, onednn, torch (default: config.toml's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     config = EngineConfig.load(Path(__file__).resolve().parent.parent / "config.toml")
     t0 = time.perf_counter()
     loaded = load_model("smollm2-135m", config.model.resolved_cache_dir())
-    ours = LlamaModel(loaded.hf_model, TorchAttention())
+    backend = get_backend(args.attention or config.model.attention_backend, torch.device("cpu"))
+    ours = LlamaModel(loaded.hf_model, backend, "cpu", args.linear or config.model.linear_backend)
     print(
+        f"ours: {backend.name} attention, {ours.linear} linears; "
         f"model {loaded.name} ({sum(p.numel() for p in loaded.hf_model.parameters()) / 1e6:.0f}M params, fp32), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, HF attn "
         f"{loaded.hf_model.config._attn_implementation}; loaded in {time.perf_counter() - t0:.1f}s\n",

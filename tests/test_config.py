@@ -56,6 +56,7 @@ def test_keyword_overrides():
         ({"port": "8000"}, "port"),
         ({"port": True}, "port"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"linear_backend": "blas"}, "linear_backend"),
         ({"no_such_key": 1}, "no_such_key"),
     ],
 )

@@ -2,7 +2,8 @@
 
 Weights are taken from a transformers Llama-family model (Llama, SmolLM, Mistral, Qwen2) and
 re-laid for speed: q/k/v fused into one projection, gate/up fused into another, so each layer
-runs four GEMMs instead of seven. Arithmetic follows transformers' Llama exactly (fp32 RMSNorm,
+runs four GEMMs instead of seven, each on a weight stored for the fastest kernel at hand
+(engine/model/linear.py). Arithmetic follows transformers' Llama exactly (fp32 RMSNorm,
 rotate-half RoPE from the model's own rotary tables) so greedy output matches token for token.
 """
 
@@ -17,17 +18,17 @@ from transformers import PreTrainedModel
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.model.linear import Linear, resolve
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [E]
-    qkv: torch.Tensor  # [(H + 2*KVH) * D, E]
-    qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D] (Qwen2)
-    o: torch.Tensor  # [E, H * D]
+    qkv: Linear  # E -> (H + 2*KVH) * D, bias only for Qwen2
+    o: Linear  # H * D -> E
     post_norm: torch.Tensor  # [E]
-    gate_up: torch.Tensor  # [2 * I, E]
-    down: torch.Tensor  # [E, I]
+    gate_up: Linear  # E -> 2 * I
+    down: Linear  # I -> E
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class ModelShape:
 
 
 class LlamaModel:
-    def __init__(self, hf_model: PreTrainedModel, backend: AttentionBackend, device: torch.device | str = "cpu"):
+    def __init__(
+        self, hf_model: PreTrainedModel, backend: AttentionBackend, device: torch.device | str = "cpu", linear: str = "auto"
+    ):
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(
@@ -62,7 +65,8 @@ class LlamaModel:
         self.device = torch.device(device)
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach().to(self.device)  # [V, E]
-        self.lm_head = hf_model.lm_head.weight.detach().to(self.device)  # [V, E] (tied: same storage)
+        self.linear = resolve(linear, self.device, self.embed.dtype)
+        self.lm_head = Linear(hf_model.lm_head.weight.detach().to(self.device), None, self.linear)  # E -> V
         self.final_norm = inner.norm.weight.detach().to(self.device)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
@@ -79,14 +83,17 @@ class LlamaModel:
             bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().to(self.device)
         if getattr(attn.o_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
             raise ValueError("unsupported: bias on o_proj or MLP projections")
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight.detach().to(self.device), bias, self.linear)
+
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach().to(self.device),
-            qkv=qkv.detach().contiguous().to(self.device),
-            qkv_bias=bias,
-            o=attn.o_proj.weight.detach().contiguous().to(self.device),
+            qkv=linear(qkv, bias),
+            o=linear(attn.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight.detach().to(self.device),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().contiguous().to(self.device),
-            down=mlp.down_proj.weight.detach().contiguous().to(self.device),
+            gate_up=linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=linear(mlp.down_proj.weight),
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -119,16 +126,16 @@ class LlamaModel:
         h = self.embed[input_ids]  # [T, E]
         for i, w in enumerate(self.layers):
             x = self.rms_norm(h, w.input_norm)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) D]
+            qkv = w.qkv(x)  # [T, (H + 2 KVH) D]
             q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(i)
             attn = self.backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, prepared)  # [T, H, D]
-            h = h + F.linear(attn.reshape(num_tokens, q_size), w.o)
+            h = h + w.o(attn.reshape(num_tokens, q_size))
             x = self.rms_norm(h, w.post_norm)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [T, I] each
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+            h = h + w.down(F.silu(gate) * up)
         last = self.rms_norm(h[logits_rows], self.final_norm)  # [B, E]
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
