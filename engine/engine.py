@@ -11,6 +11,7 @@ scheduler ⇄ executor. No global state: several engines can live in one process
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import sys
 import uuid
@@ -71,12 +72,18 @@ class Engine:
         )
         backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
         model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend)
+        self.tokenizer, name = loaded.tokenizer, loaded.name
+        if self._loaded is None:
+            # Our model holds copies of every weight: free transformers' copy (and unmap its
+            # weight file) before the KV pool is allocated, so the two never add up.
+            del loaded
+            gc.collect()
         shape = model.shape
         kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
                            shape.head_dim, dtype, device)
-        print(f"[stepwise] model {loaded.name} on {device}, {backend.name} attention, {model.linear} linears; KV pool {cfg.cache.num_blocks} blocks x "
-              f"{cfg.cache.block_size} tokens = {kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
-        self.tokenizer = loaded.tokenizer
+        print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears; "
+              f"KV pool {cfg.cache.num_blocks} blocks x {cfg.cache.block_size} tokens = "
+              f"{kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
         self.max_model_len = shape.max_position
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.executor = Executor(model, kv_cache, self._fault_hook)

@@ -31,6 +31,7 @@ class Executor:
         self.fault_hook = fault_hook
         self.inbox: asyncio.Queue[ExecutorMsg] = asyncio.Queue()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-step")
+        self._forward_s = 0.0  # written and read in the worker thread only
 
     async def execute(self, plan: StepPlan) -> StepResult:
         reply = asyncio.get_running_loop().create_future()
@@ -53,6 +54,7 @@ class Executor:
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         start_wall, start = time.time(), time.perf_counter()
+        self._forward_s = 0.0
         try:
             if self.fault_hook is not None:
                 self.fault_hook(plan)
@@ -61,7 +63,8 @@ class Executor:
         except Exception as e:  # one bad step fails its requests, not the engine
             sampled, error = {}, f"{type(e).__name__}: {e}"
         return StepResult(
-            step=plan.step, sampled=sampled, start_time=start_wall, duration_s=time.perf_counter() - start, error=error
+            step=plan.step, sampled=sampled, start_time=start_wall, duration_s=time.perf_counter() - start,
+            forward_s=self._forward_s, error=error,
         )
 
     def run_plan(self, plan: StepPlan) -> dict[str, int]:
@@ -92,9 +95,12 @@ class Executor:
         device = self.model.device
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
         rows = torch.tensor([logits_rows[i] for i in sampling], dtype=torch.long, device=device)
-        logits = self.model.forward(
-            torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta, self.kv_cache, rows
-        )  # [S, V]
+        input_ids, input_positions = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+        forward_start = time.perf_counter()
+        logits = self.model.forward(input_ids, input_positions, meta, self.kv_cache, rows)  # [S, V]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # so forward_s is the forward, not its launch
+        self._forward_s = time.perf_counter() - forward_start
         if not sampling:
             return {}
         chosen = [plan.items[i] for i in sampling]

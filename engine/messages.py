@@ -50,7 +50,8 @@ class FinishedRequest(msgspec.Struct, frozen=True, array_like=True):
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     start_time: float  # unix time the step started
-    duration_s: float
+    duration_s: float  # in the executor: batch building + forward + sampling
+    forward_s: float  # the model forward alone; the rest of a step's cycle is Python and scheduling
     policy: str
     token_budget: int
     items: list[StepItem]
@@ -121,7 +122,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     sampled: dict[str, int]  # request id -> new token
     start_time: float
-    duration_s: float
+    duration_s: float  # the whole step in the executor: batch building, forward, sampling
+    forward_s: float = 0.0  # the model forward alone (0 when the step failed before it)
     error: str | None = None  # the step failed: every request in it ends with "error"
 
 

@@ -307,7 +307,8 @@ class Scheduler:
             items.append(StepItem(it.request_id, it.kind, len(it.token_ids), it.start_pos))
         self.snapshot = self._snapshot(figures)
         self.publish(StepRecord(
-            step=plan.step, start_time=result.start_time, duration_s=result.duration_s, policy=self.policy.name,
+            step=plan.step, start_time=result.start_time, duration_s=result.duration_s, forward_s=result.forward_s,
+            policy=self.policy.name,
             token_budget=plan.token_budget, items=items, num_prefill_tokens=kinds["prefill"],
             num_decode_tokens=kinds["decode"], num_padding_tokens=kinds["padding"],
             num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),

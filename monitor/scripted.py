@@ -171,7 +171,7 @@ def example_history(
         used_blocks = sum(-(-(r.computed + r.generated) // block) for r in running)
         kinds = {k: sum(it.num_tokens for it in items if it.kind == k) for k in ("prefill", "decode", "padding")}
         records.append(StepRecord(
-            step=step, start_time=start, duration_s=duration, policy="chunked", token_budget=budget, items=items,
+            step=step, start_time=start, duration_s=duration, forward_s=0.9 * duration, policy="chunked", token_budget=budget, items=items,
             num_prefill_tokens=kinds["prefill"], num_decode_tokens=kinds["decode"], num_padding_tokens=0,
             num_cached_tokens=0, num_waiting=len(waiting), num_running=len(running),
             kv_usage=used_blocks / num_blocks, num_preemptions=preemptions, ttft_s=ttft, itl_s=itl, finished=finished,

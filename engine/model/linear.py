@@ -34,10 +34,11 @@ class Linear:
         self.kind = kind
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        # Either way a copy: nothing is shared with the caller's (e.g. memory-mapped) weight.
         if kind == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
         else:
-            self.weight = weight.contiguous()
+            self.weight = weight.clone(memory_format=torch.contiguous_format)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.kind == "onednn":

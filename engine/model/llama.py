@@ -64,10 +64,10 @@ class LlamaModel:
         self.backend = backend
         self.device = torch.device(device)
         inner = hf_model.model
-        self.embed = inner.embed_tokens.weight.detach().to(self.device)  # [V, E]
+        self.embed = self._own(inner.embed_tokens.weight)  # [V, E]
         self.linear = resolve(linear, self.device, self.embed.dtype)
         self.lm_head = Linear(hf_model.lm_head.weight.detach().to(self.device), None, self.linear)  # E -> V
-        self.final_norm = inner.norm.weight.detach().to(self.device)
+        self.final_norm = self._own(inner.norm.weight)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
         positions = torch.arange(self.shape.max_position)[None]
@@ -75,12 +75,17 @@ class LlamaModel:
         self.cos = cos[0].to(self.device, self.embed.dtype)  # [P, D]
         self.sin = sin[0].to(self.device, self.embed.dtype)
 
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of a weight on our device: nothing is shared with the transformers model,
+        which can then be freed (and its memory-mapped weight file unmapped)."""
+        return t.detach().to(self.device, copy=True)
+
     def _take_layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         bias = None
         if attn.q_proj.bias is not None:
-            bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().to(self.device)
+            bias = self._own(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
         if getattr(attn.o_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
             raise ValueError("unsupported: bias on o_proj or MLP projections")
 
@@ -88,10 +93,10 @@ class LlamaModel:
             return Linear(weight.detach().to(self.device), bias, self.linear)
 
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach().to(self.device),
+            input_norm=self._own(layer.input_layernorm.weight),
             qkv=linear(qkv, bias),
             o=linear(attn.o_proj.weight),
-            post_norm=layer.post_attention_layernorm.weight.detach().to(self.device),
+            post_norm=self._own(layer.post_attention_layernorm.weight),
             gate_up=linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
             down=linear(mlp.down_proj.weight),
         )

@@ -120,7 +120,7 @@ def test_summarize_nothing():
 
 
 def step(n, prefill=0, decode=0, padding=0, cached=0, preemptions=0) -> StepRecord:
-    return StepRecord(step=n, start_time=0.0, duration_s=0.01, policy="x", token_budget=64, items=[],
+    return StepRecord(step=n, start_time=0.0, duration_s=0.01, forward_s=0.01, policy="x", token_budget=64, items=[],
                       num_prefill_tokens=prefill, num_decode_tokens=decode, num_padding_tokens=padding,
                       num_cached_tokens=cached, num_waiting=0, num_running=1, kv_usage=0.1, num_preemptions=preemptions)
 

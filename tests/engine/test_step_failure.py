@@ -60,6 +60,8 @@ async def test_one_failed_step_fails_only_its_requests(tiny_model, policy):
             records = await recorder.caught_up()
             failed = [r for r in records if r.error]
             assert [r.step for r in failed] == [hook.failed_step] and "injected fault" in failed[0].error
+            assert failed[0].forward_s == 0.0  # the hook raised before the forward
+            assert all(0 < r.forward_s <= r.duration_s for r in records if not r.error)
             assert not engine.dead
             await assert_drained(engine)
             recorder.stop()

@@ -19,7 +19,7 @@ def record(step: int, items: list[tuple[str, str, int, int]], *, budget: int = 2
     its = [StepItem(*i) for i in items]
     count = {k: sum(i.num_tokens for i in its if i.kind == k) for k in ("prefill", "decode", "padding")}
     return StepRecord(
-        step=step, start_time=T0 + step * duration, duration_s=duration, policy=policy, token_budget=budget,
+        step=step, start_time=T0 + step * duration, duration_s=duration, forward_s=duration, policy=policy, token_budget=budget,
         items=its, num_prefill_tokens=count["prefill"], num_decode_tokens=count["decode"],
         num_padding_tokens=count["padding"], num_cached_tokens=0, num_waiting=waiting,
         num_running=len({i.request_id for i in its}), kv_usage=kv, num_preemptions=preemptions,
