@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 POLICIES = ("static", "continuous", "chunked")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
 
 
 @dataclass(frozen=True)

@@ -132,12 +132,12 @@ class Scheduler:
         """Make room for a running request's next tokens, preempting the newest running
         request not yet scheduled this step when the pool is dry. False if `req` itself had
         to be preempted."""
-        taken = {id(d.request) for d in scheduled}
         while True:
             alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + num_new_tokens)
             if alloc is not None:
                 self.block_tables[req.request_id] = alloc.block_table
                 return True
+            taken = {id(d.request) for d in scheduled}  # only on the rare dry pool: O(scheduled)
             victims = [r for r in self.running if id(r) not in taken]
             victim = max(victims, key=lambda r: r.sort_key)
             self._preempt(victim)

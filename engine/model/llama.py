@@ -66,7 +66,9 @@ class LlamaModel:
         inner = hf_model.model
         self.embed = self._own(inner.embed_tokens.weight)  # [V, E]
         self.linear = resolve(linear, self.device, self.embed.dtype)
-        self.lm_head = Linear(hf_model.lm_head.weight.detach().to(self.device), None, self.linear)  # E -> V
+        # int8 stays inside the layers: the LM head picks the token, so it keeps full precision
+        head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
+        self.lm_head = Linear(hf_model.lm_head.weight.detach().to(self.device), None, head)  # E -> V
         self.final_norm = self._own(inner.norm.weight)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.

@@ -27,6 +27,19 @@ def test_onednn_equals_f_linear(rows: int, with_bias: bool):
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_is_close_to_f_linear(with_bias: bool):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 40, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(33, 40, generator=g)
+    want = F.linear(x, weight, bias)
+    got = Linear(weight, bias, "int8")(x)
+    # int8 weights and per-step int8 activations: about 1 % of the output's scale, not exact
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert not torch.equal(got, want)
+
+
 @onednn
 def test_onednn_accepts_a_strided_row_view():
     weight, x = torch.randn(32, 16), torch.randn(10, 16)
@@ -40,8 +53,11 @@ def test_resolve():
     assert resolve("auto", torch.device("cuda"), torch.float32) == "torch"
     if torch.backends.mkldnn.is_available():
         assert resolve("auto", cpu, torch.float32) == "onednn"
+    assert resolve("int8", cpu, torch.float32) == "int8"  # opt-in only, never "auto"
     with pytest.raises(ValueError, match="onednn"):
         resolve("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="int8"):
+        resolve("int8", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown linear backend"):
         resolve("blas", cpu, torch.float32)
 
