@@ -18,7 +18,7 @@ def config(**kw) -> EngineConfig:
 
 @pytest.mark.parametrize("policy", ["continuous", "chunked"])
 async def test_spike_lands_mid_stream(tiny_model, policy):
-    reqs = workload.spike(num_streams=4, num_long=1, long_len=300, stream_tokens=48, vocab=VOCAB)
+    reqs = workload.spike(num_streams=4, num_long=1, long_len=300, stream_tokens=48, spike_after=0.25, vocab=VOCAB)
     async with Engine(config(policy=policy, max_num_batched_tokens=64, chunk_size=32), loaded=tiny_model) as engine:
         timings, duration, steps = await run_in_process(engine, reqs)
     steady, [long] = timings[:4], timings[4:]
