@@ -4,9 +4,11 @@
     engine-bench --workload spike --policies continuous,chunked
     engine-bench --workload spike --policies chunked --sweep max_num_batched_tokens=64,128,256,512,1024
     engine-bench --workload mixed --url http://127.0.0.1:8000        # any OpenAI-compatible server
+    engine-bench --workload mixed --policies continuous --peer transformers-static,transformers-cb
 
 In-process mode runs each policy on a fresh engine (same config otherwise, model loaded
-once). Results: a markdown table on stdout, results.json and PNG plots in --out.
+once), then each --peer: the same requests through transformers on the same model.
+Results: a markdown table on stdout, results.json and PNG plots in --out.
 Workloads, metrics and the results.json schema: docs/bench.md.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.bench import report, workload
+from engine.bench import peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
 from engine.config import EngineConfig, all_keys
 from engine.engine import DTYPES, Engine
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-itl-ms", type=float)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run the first policy once per value")
+    p.add_argument("--peer", metavar="NAME[,NAME]", help=f"in-process: also run {' / '.join(peers.PEERS)}")
+    p.add_argument("--peer-batch-size", type=int, default=16, help="transformers-static: requests per generate call")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
@@ -85,6 +89,19 @@ def _finite(obj):
     return obj
 
 
+def _peers(args) -> list[str]:
+    """The --peer names, checked before the model loads."""
+    if not args.peer:
+        return []
+    if args.url or args.sweep:
+        raise SystemExit("--peer runs transformers on the loaded model: in-process only, not with --url or --sweep")
+    try:
+        peers.PeerSettings(batch_size=args.peer_batch_size)
+        return peers.parse(args.peer)
+    except ValueError as e:
+        raise SystemExit(f"--peer: {e}") from None
+
+
 def _overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
@@ -100,6 +117,7 @@ async def _bench(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results, runs = {}, {}
     vocab_size = args.vocab_size or 20000
+    peer_names = _peers(args)
     if args.url:
         if args.sweep:
             raise SystemExit("--sweep changes engine config: in-process only, not with --url")
@@ -117,12 +135,17 @@ async def _bench(args) -> dict:
             targets = [(f"{policies[0]} {key}={v}", {"policy": policies[0], key: _coerce(key, v)}) for v in values]
         else:
             targets = [(p, {"policy": p}) for p in policies]
+        settings = peers.PeerSettings.from_engine(base, args.peer_batch_size)
+        targets += [(name, None) for name in peer_names]  # None: a transformers peer, not an engine config
     requests = workload.make(args.workload, args.seed, args.num_requests, args.rate, vocab_size)
     for name, overrides in targets:
         bar = tqdm(total=len(requests), desc=name, unit="req", file=sys.stderr)
         if args.url:
             timings, duration = await run_remote(args.url, args.model, requests, args.api_key, lambda: bar.update())
             steps, start = None, min(t.arrival for t in timings)
+        elif overrides is None:
+            run = await asyncio.to_thread(peers.run, name, loaded, requests, settings, lambda: bar.update())
+            timings, duration, steps, start = run.timings, run.duration, None, min(t.arrival for t in run.timings)
         else:
             config = base.with_overrides(**overrides)
             async with Engine(config, loaded=loaded) as engine:
