@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.bench import peers, report, workload
+from engine.bench import limit, peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
 from engine.config import EngineConfig, all_keys
 from engine.engine import DTYPES, Engine
@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run the first policy once per value")
     p.add_argument("--peer", metavar="NAME[,NAME]", help=f"in-process: also run {' / '.join(peers.PEERS)}")
     p.add_argument("--peer-batch-size", type=int, default=16, help="transformers-static: requests per generate call")
+    p.add_argument("--compute-limit", action="store_true",
+                   help="in-process: measure the prefill rate and report each target's fraction of the compute limit")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
@@ -118,6 +120,8 @@ async def _bench(args) -> dict:
     results, runs = {}, {}
     vocab_size = args.vocab_size or 20000
     peer_names = _peers(args)
+    if args.url and args.compute_limit:
+        raise SystemExit("--compute-limit measures the loaded model: in-process only, not with --url")
     if args.url:
         if args.sweep:
             raise SystemExit("--sweep changes engine config: in-process only, not with --url")
@@ -160,17 +164,9 @@ async def _bench(args) -> dict:
     summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results}
     if not args.url:
         summary["config"] = base.to_dict()
-        names = list(results)
-        if {"static", "continuous"} <= set(names) and results["static"]["output_tokens_per_s"]:
-            summary["continuous_over_static_throughput"] = _ratio(
-                results["continuous"]["output_tokens_per_s"], results["static"]["output_tokens_per_s"])
-        if {"continuous", "chunked"} <= set(names) and "steady_itl_ms_max" in results["chunked"]:
-            c, k = results["continuous"], results["chunked"]
-            summary["chunked_over_continuous"] = {
-                "steady_itl_max": _ratio(k.get("steady_itl_ms_max"), c.get("steady_itl_ms_max")),
-                "steady_itl_p99": _ratio(k.get("steady_itl_ms_p99"), c.get("steady_itl_ms_p99")),
-                "long_ttft": _ratio(k.get("long_ttft_ms_max"), c.get("long_ttft_ms_max")),
-            }
+        summary.update(_ratios(results, peer_names))
+        if args.compute_limit:
+            summary["compute_limit"] = await _compute_limit(base, loaded, vocab_size, requests, results)
     plots = []
     if not args.no_plots:
         if args.sweep:
@@ -186,12 +182,44 @@ async def _bench(args) -> dict:
     return summary
 
 
+def _ratios(results: dict[str, dict], peer_names: list[str]) -> dict:
+    out, names = {}, set(results)
+    if {"static", "continuous"} <= names and results["static"]["output_tokens_per_s"]:
+        out["continuous_over_static_throughput"] = _ratio(
+            results["continuous"]["output_tokens_per_s"], results["static"]["output_tokens_per_s"])
+    if {"continuous", "chunked"} <= names and "steady_itl_ms_max" in results["chunked"]:
+        c, k = results["continuous"], results["chunked"]
+        out["chunked_over_continuous"] = {
+            "steady_itl_max": _ratio(k.get("steady_itl_ms_max"), c.get("steady_itl_ms_max")),
+            "steady_itl_p99": _ratio(k.get("steady_itl_ms_p99"), c.get("steady_itl_ms_p99")),
+            "long_ttft": _ratio(k.get("long_ttft_ms_max"), c.get("long_ttft_ms_max")),
+        }
+    if peer_names:  # output tokens/s of each engine target over each peer's
+        out["throughput_over_peers"] = {
+            name: {p: _ratio(r["output_tokens_per_s"], results[p]["output_tokens_per_s"]) for p in peer_names}
+            for name, r in results.items() if name not in peer_names
+        }
+    return out
+
+
+async def _compute_limit(config, loaded, vocab_size: int, requests, results: dict[str, dict]) -> dict:
+    """Measure both prefill rates; add each target's fraction of the limit to its result."""
+    rates = {"transformers": await asyncio.to_thread(limit.transformers_prefill_rate, loaded, vocab_size),
+             "engine": await limit.engine_prefill_rate(config, loaded, vocab_size)}
+    limits = {k: limit.output_limit(v, requests) for k, v in rates.items()}
+    for r in results.values():
+        r["limit_fraction"] = _ratio(r["output_tokens_per_s"], limits["transformers"])
+        r["limit_fraction_engine_rate"] = _ratio(r["output_tokens_per_s"], limits["engine"])
+    return {"prompt_len": limit.PROMPT_LEN, "prefill_tokens_per_s": rates, "output_tokens_per_s_limit": limits}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     summary = asyncio.run(_bench(args))
     print(f"\nworkload {summary['workload']} (seed {summary['seed']}, {summary['num_requests']} requests)\n")
     print(report.table(summary["results"]))
-    for key in ("continuous_over_static_throughput", "chunked_over_continuous"):
+    for key in ("continuous_over_static_throughput", "chunked_over_continuous", "throughput_over_peers",
+                "compute_limit"):
         if key in summary:
             print(f"\n{key}: {json.dumps(summary[key], indent=None)}")
     print(f"\nwrote {args.out}/results.json" + (f" and {len(summary['plots'])} plot(s)" if summary["plots"] else ""))

@@ -47,6 +47,7 @@ COLUMNS = [
     ("padding_waste_pct", "pad %", "{:.1f}"), ("preemptions", "preempt", "{}"),
     ("prefix_cache_hit_rate", "prefix hit", "{:.2f}"), ("steady_itl_ms_p99", "steady ITL p99", "{:.0f}"),
     ("steady_itl_ms_max", "steady ITL max", "{:.0f}"), ("long_ttft_ms_max", "long TTFT", "{:.0f}"),
+    ("limit_fraction", "of limit", "{:.0%}"),
 ]
 
 

@@ -18,7 +18,8 @@ from engine.engine import Engine
 from engine.messages import StepRecord
 from engine.request import SamplingParams
 
-GATE_POLL_S = 0.002  # how often a gated request checks the run's token count
+GATE_POLL_S = 0.02  # how often a gated request checks the run's token count (rarely: the
+# event loop shares the GIL with the executor's thread, so busy polling would slow the steps)
 RECORD_WAIT_S = 5.0  # how long to wait for the last step's record after the last request
 
 

@@ -149,12 +149,25 @@ def test_cli_refuses_peer_with_url_or_sweep(tmp_path, flag):
         cli.main([*flag, "--peer", "transformers-static", "--no-plots", "--out", str(tmp_path)])
 
 
+def test_cli_refuses_compute_limit_with_url(tmp_path):
+    with pytest.raises(SystemExit, match="in-process only"):
+        cli.main(["--url", "http://127.0.0.1:9", "--compute-limit", "--no-plots", "--out", str(tmp_path)])
+
+
 def test_cli_runs_peers_after_the_policies(tmp_path):
     cli.main(["--config", str(REPO / "config.toml"), "--set", "num_blocks=256", "--model", "tiny-random",
               "--workload", "mixed", "--num-requests", "6", "--policies", "continuous",
-              "--peer", "transformers-static,transformers-cb", "--no-plots", "--out", str(tmp_path)])
+              "--peer", "transformers-static,transformers-cb", "--compute-limit", "--no-plots", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "results.json").read_text())
     assert list(summary["results"]) == ["continuous", "transformers-static", "transformers-cb"]
+    over = summary["throughput_over_peers"]["continuous"]
+    cont = summary["results"]["continuous"]["output_tokens_per_s"]
+    for p in ("transformers-static", "transformers-cb"):
+        assert over[p] == pytest.approx(cont / summary["results"][p]["output_tokens_per_s"])
+    limit = summary["compute_limit"]
+    assert limit["prefill_tokens_per_s"]["transformers"] > 0 and limit["prefill_tokens_per_s"]["engine"] > 0
+    for r in summary["results"].values():
+        assert r["limit_fraction"] == pytest.approx(r["output_tokens_per_s"] / limit["output_tokens_per_s_limit"]["transformers"])
     work = sum(r.max_tokens for r in workload.make("mixed", 0, 6, 0.0, 259))
     for name, r in summary["results"].items():
         assert r["num_failed"] == 0 and r["output_tokens"] == work and r["ttft_ms_p50"] > 0

@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from engine.bench import workload
+from engine.bench.limit import output_limit
 from engine.bench.workload import WORKLOADS, make
 
 NAMES = sorted(WORKLOADS)
@@ -92,3 +93,8 @@ def test_spike_ignores_rate():
 def test_unknown_workload():
     with pytest.raises(ValueError, match="unknown workload"):
         make("nope")
+
+
+def test_output_limit_is_the_prefill_rate_times_the_output_share():
+    reqs = [workload.BenchRequest([1] * 300, 100, 0.0), workload.BenchRequest([1] * 500, 100, 0.0)]
+    assert output_limit(500.0, reqs) == pytest.approx(500.0 * 200 / 1000)
