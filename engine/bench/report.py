@@ -89,9 +89,28 @@ def plot(runs: dict[str, dict], out_dir, budget: int | None) -> list[str]:
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "itl_over_time.png"))
 
-    fig, axes = plt.subplots(n, 1, figsize=(10, 2.4 * n), squeeze=False)
+    stepped = {name: run for name, run in runs.items() if run["steps"]}  # peers and remote runs have none
+    if stepped:
+        paths.append(_plot_steps(plt, stepped, out_dir))
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, run in runs.items():
+        ttfts = sorted(t.ttft for t in run["timings"] if t.ttft is not None)
+        ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=name)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT distribution (CDF)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
+    return paths
+
+
+def _plot_steps(plt, runs: dict[str, dict], out_dir) -> str:
+    """Stacked prefill / decode / padding tokens per step, one panel per run, budget line."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items()):
-        steps = run["steps"] or []
+        steps = run["steps"]
         xs = range(len(steps))
         pre = [s.num_prefill_tokens for s in steps]
         dec = [s.num_decode_tokens for s in steps]
@@ -106,19 +125,7 @@ def plot(runs: dict[str, dict], out_dir, budget: int | None) -> list[str]:
         ax.legend(loc="upper right", fontsize=7)
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "step_composition.png"))
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, run in runs.items():
-        ttfts = sorted(t.ttft for t in run["timings"] if t.ttft is not None)
-        ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=name)
-    ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT distribution (CDF)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
-    return paths
+    return _save(fig, out_dir / "step_composition.png")
 
 
 def plot_sweep(key: str, values: list, results: list[dict], out_dir, policy: str = "chunked") -> str:

@@ -39,21 +39,21 @@ def test_spike_shape():
     reqs = make("spike", seed=0)
     steady = [r for r in reqs if r.tag == "steady"]
     long = [r for r in reqs if r.tag == "long"]
-    assert len(steady) == 12 and len(long) == 4 and reqs[:12] == steady  # streams first, then the spikes
-    assert all(16 <= len(r.prompt_token_ids) <= 48 and r.max_tokens == 256 for r in steady)
+    assert len(steady) == 12 and len(long) == 2 and reqs[:12] == steady  # streams first, then the spikes
+    assert all(16 <= len(r.prompt_token_ids) <= 48 and r.max_tokens == 128 for r in steady)
     assert all(r.arrival_s == 0.0 and r.after_tokens == 0 for r in steady)
     assert all(len(r.prompt_token_ids) == 2000 and r.max_tokens == 16 for r in long)
-    # one at a time: each waits until the streams have received 15, 35, 55, 75 % of their tokens
-    assert [r.after_tokens for r in long] == [int(12 * 256 * f) for f in (0.15, 0.35, 0.55, 0.75)]
+    # one at a time: each waits until the streams have received 25 and 60 % of their tokens
+    assert [r.after_tokens for r in long] == [int(12 * 128 * f) for f in (0.25, 0.60)]
 
 
 def test_spike_options():
-    assert len(make("spike", num_requests=6)) == 6  # 2 streams + 4 long prompts
+    assert len(make("spike", num_requests=6)) == 6  # 4 streams + 2 long prompts
     reqs = workload.spike(num_streams=3, num_long=1, long_len=50, stream_tokens=40, spike_after=0.5, spike_at_s=1.5)
     assert [r.tag for r in reqs] == ["steady"] * 3 + ["long"]
     assert reqs[-1].after_tokens == 60 and reqs[-1].arrival_s == 1.5 and len(reqs[-1].prompt_token_ids) == 50
     assert workload.spike(num_long=1, spike_after=0.0)[-1].after_tokens == 0
-    assert workload.spike(num_long=3, spike_after=0.5, spike_every=0.4)[-1].after_tokens == 12 * 256  # capped at 100 %
+    assert workload.spike(num_long=3, spike_after=0.5, spike_every=0.4)[-1].after_tokens == 12 * 128  # capped at 100 %
 
 
 def test_sharegpt_like_bounds():
