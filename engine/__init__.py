@@ -1,12 +1,37 @@
-"""Stepwise: an LLM serving engine with static, continuous and chunked-prefill batching."""
+"""Stepwise: an LLM serving engine with static, continuous and chunked-prefill batching.
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
-from engine.messages import EngineSnapshot, FinishedRequest, RequestOutput, StepItem, StepRecord
-from engine.request import SamplingParams
+The names below are imported on first use (PEP 562), so that code needing only the messages
+or the config (the monitor attached to a server, the benchmark's remote mode) does not pay for
+importing torch and transformers.
+"""
 
-__all__ = [
-    "ContextLengthError", "Engine", "EngineConfig", "EngineDeadError", "EngineSnapshot", "FinishedRequest", "QueueFullError",
-    "RequestError", "RequestOutput", "SamplingParams", "StepItem", "StepRecord",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "EngineConfig": "engine.config",
+    "Engine": "engine.engine",
+    "ContextLengthError": "engine.errors", "EngineDeadError": "engine.errors", "QueueFullError": "engine.errors",
+    "RequestError": "engine.errors",
+    "EngineSnapshot": "engine.messages", "FinishedRequest": "engine.messages", "RequestOutput": "engine.messages",
+    "StepItem": "engine.messages", "StepRecord": "engine.messages",
+    "SamplingParams": "engine.request",
+}
+__all__ = sorted(_WHERE)
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+    from engine.messages import EngineSnapshot, FinishedRequest, RequestOutput, StepItem, StepRecord
+    from engine.request import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

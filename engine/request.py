@@ -6,7 +6,6 @@ import enum
 import time
 
 import msgspec
-import torch
 
 from engine.detokenizer import Detokenizer
 from engine.errors import RequestError
@@ -81,6 +80,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.outputs = OutputBuffer()  # bounded: a slow reader gets coalesced deltas
+        import torch  # here, not at the top: the messages (and so the monitor) import this module
+
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(seed)
 
