@@ -31,7 +31,6 @@ class Executor:
         self.fault_hook = fault_hook
         self.inbox: asyncio.Queue[ExecutorMsg] = asyncio.Queue()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-step")
-        self._forward_s = 0.0  # written and read in the worker thread only
 
     async def execute(self, plan: StepPlan) -> StepResult:
         reply = asyncio.get_running_loop().create_future()
@@ -54,20 +53,20 @@ class Executor:
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         start_wall, start = time.time(), time.perf_counter()
-        self._forward_s = 0.0
         try:
             if self.fault_hook is not None:
                 self.fault_hook(plan)
-            sampled = self.run_plan(plan)
+            sampled, forward_s = self.run_plan(plan)
             error = None
         except Exception as e:  # one bad step fails its requests, not the engine
-            sampled, error = {}, f"{type(e).__name__}: {e}"
+            sampled, forward_s, error = {}, 0.0, f"{type(e).__name__}: {e}"
         return StepResult(
             step=plan.step, sampled=sampled, start_time=start_wall, duration_s=time.perf_counter() - start,
-            forward_s=self._forward_s, error=error,
+            forward_s=forward_s, error=error,
         )
 
-    def run_plan(self, plan: StepPlan) -> dict[str, int]:
+    def run_plan(self, plan: StepPlan) -> tuple[dict[str, int], float]:
+        """The sampled token per request, and the seconds the model forward took."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -100,9 +99,9 @@ class Executor:
         logits = self.model.forward(input_ids, input_positions, meta, self.kv_cache, rows)  # [S, V]
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so forward_s is the forward, not its launch
-        self._forward_s = time.perf_counter() - forward_start
+        forward_s = time.perf_counter() - forward_start
         if not sampling:
-            return {}
+            return {}, forward_s
         chosen = [plan.items[i] for i in sampling]
         tokens = sample(
             logits.cpu(),
@@ -111,4 +110,4 @@ class Executor:
             [c.top_p for c in chosen],
             [c.generator for c in chosen],
         )
-        return {c.request_id: t for c, t in zip(chosen, tokens)}
+        return {c.request_id: t for c, t in zip(chosen, tokens)}, forward_s

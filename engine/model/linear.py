@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import LINEAR_BACKENDS
+
 _PACK_ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows (a decode batch)
 
 
@@ -41,7 +42,6 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
         # weight: [N, K]; bias: [N] or None
         self.kind = kind
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         # Either way a copy: nothing is shared with the caller's (e.g. memory-mapped) weight.
         if kind == "onednn":

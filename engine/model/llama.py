@@ -68,7 +68,7 @@ class LlamaModel:
         self.linear = resolve(linear, self.device, self.embed.dtype)
         # int8 stays inside the layers: the LM head picks the token, so it keeps full precision
         head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
-        self.lm_head = Linear(hf_model.lm_head.weight.detach().to(self.device), None, head)  # E -> V
+        self.lm_head = self._linear(hf_model.lm_head.weight, kind=head)  # E -> V
         self.final_norm = self._own(inner.norm.weight)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
@@ -82,6 +82,10 @@ class LlamaModel:
         which can then be freed (and its memory-mapped weight file unmapped)."""
         return t.detach().to(self.device, copy=True)
 
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str | None = None) -> Linear:
+        """A projection on our device, stored for `kind` (default: the model's linear backend)."""
+        return Linear(weight.detach().to(self.device), bias, kind or self.linear)
+
     def _take_layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -90,17 +94,13 @@ class LlamaModel:
             bias = self._own(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
         if getattr(attn.o_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
             raise ValueError("unsupported: bias on o_proj or MLP projections")
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight.detach().to(self.device), bias, self.linear)
-
         return LayerWeights(
             input_norm=self._own(layer.input_layernorm.weight),
-            qkv=linear(qkv, bias),
-            o=linear(attn.o_proj.weight),
+            qkv=self._linear(qkv, bias),
+            o=self._linear(attn.o_proj.weight),
             post_norm=self._own(layer.post_attention_layernorm.weight),
-            gate_up=linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            down=linear(mlp.down_proj.weight),
+            gate_up=self._linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=self._linear(mlp.down_proj.weight),
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
