@@ -10,6 +10,9 @@ parity with transformers. Elsewhere (CUDA, bf16, or a torch without oneDNN) it i
 (symmetric), activations quantized per step (dynamic quantization, torch's x86 quantized
 engine). About 2.5x faster GEMMs than oneDNN fp32 here, ~1 % relative error per projection:
 greedy text drifts from transformers' after some tokens (measured in examples/bench_optins.py).
+On CPUs without VNNI, torch's x86 int8 GEMM sums pairs of u8*s8 products in saturating int16
+(vpmaddubsw); full-range activations overflow it (~25 % error). There activations are quantized
+to 7 bits ("reduce_range"), which keeps every pair sum in range at ~1.5 % error.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import LINEAR_BACKENDS
+from engine.cpu import cpu_info
 
 _PACK_ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows (a decode batch)
 
@@ -38,11 +42,17 @@ def resolve(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     return kind
 
 
+def int8_reduce_range() -> bool:
+    """Whether int8 activations must be 7-bit on this CPU (no VNNI: int16 pair sums saturate)."""
+    return not cpu_info().has_vnni
+
+
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, reduce_range: bool | None = None):
         # weight: [N, K]; bias: [N] or None
         self.kind = kind
         self.bias = bias
+        self.reduce_range = int8_reduce_range() if reduce_range is None else reduce_range
         # Either way a copy: nothing is shared with the caller's (e.g. memory-mapped) weight.
         if kind == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
@@ -55,7 +65,7 @@ class Linear:
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.kind == "int8":  # the bias is packed with the weight
-            return torch.ops.quantized.linear_dynamic(x, self.weight)
+            return torch.ops.quantized.linear_dynamic(x, self.weight, self.reduce_range)
         return F.linear(x, self.weight, self.bias)
 
 

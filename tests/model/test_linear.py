@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.linear import Linear, resolve
+from engine.cpu import cpu_info
+from engine.model.linear import Linear, int8_reduce_range, resolve
 from engine.model.llama import LlamaModel
 from engine.attention.torch_backend import TorchAttention
 from tests.paged import PagedRunner
@@ -28,16 +29,23 @@ def test_onednn_equals_f_linear(rows: int, with_bias: bool):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_is_close_to_f_linear(with_bias: bool):
+@pytest.mark.parametrize("reduce_range", [None, True, False], ids=["for-this-cpu", "7-bit", "8-bit"])
+def test_int8_is_close_to_f_linear(with_bias: bool, reduce_range: bool | None):
+    if reduce_range is False and not cpu_info().has_vnni:
+        pytest.skip("8-bit activations need VNNI (int32 dot products); without it torch's int16 pair sums saturate")
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 40, generator=g)
     bias = torch.randn(96, generator=g) if with_bias else None
     x = torch.randn(33, 40, generator=g)
     want = F.linear(x, weight, bias)
-    got = Linear(weight, bias, "int8")(x)
+    got = Linear(weight, bias, "int8", reduce_range)(x)
     # int8 weights and per-step int8 activations: about 1 % of the output's scale, not exact
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
     assert not torch.equal(got, want)
+
+
+def test_int8_reduce_range_follows_the_cpu():
+    assert int8_reduce_range() is (not cpu_info().has_vnni)
 
 
 @onednn
