@@ -1,7 +1,7 @@
 """The KV block pool: allocation, reference counts and prefix caching, as plain logic.
 
-A full block is identified by a hash chained with its predecessor's (so equal hashes mean
-equal whole prefixes). Blocks whose last owner left keep their hash and sit in an LRU list:
+A full block is identified by a collision-resistant hash chained with its predecessor's
+(engine/block_hash.py: equal hashes mean equal whole prefixes). Blocks whose last owner left keep their hash and sit in an LRU list:
 a later request with the same prefix takes them back for free; a request needing fresh
 blocks evicts the least recently freed one. The block manager actor owns one BlockPool;
 property tests drive it directly.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+from engine.block_hash import hash_block, prefix_block_hashes
 
 
 @dataclass
@@ -27,11 +29,11 @@ class BlockPool:
         self.ref_count = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, still hashed: LRU first
-        self.block_hash: dict[int, int] = {}
-        self.cached: dict[int, int] = {}  # hash -> block
+        self.block_hash: dict[int, bytes] = {}
+        self.cached: dict[bytes, int] = {}  # hash -> block
         self.tables: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a request already hashed
-        self.last_hash: dict[str, int | None] = {}
+        self.last_hash: dict[str, bytes | None] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -91,15 +93,12 @@ class BlockPool:
 
     def _lookup(self, token_ids: list[int]) -> list[int]:
         # Never hit the block holding the last token: it must be computed to get logits.
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        hits, parent = [], None
-        for i in range(max_blocks):
-            h = hash((parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+        hits = []
+        for h in prefix_block_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size):
             block = self.cached.get(h)
             if block is None:
                 break
             hits.append(block)
-            parent = h
         return hits
 
     def _take_fresh(self) -> int:
@@ -121,7 +120,7 @@ class BlockPool:
         parent = self.last_hash[request_id]
         end = min(num_computed // self.block_size, len(table))
         for i in range(start, end):
-            parent = hash((parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = table[i]
             if parent not in self.cached and block not in self.block_hash:
                 self.cached[parent] = block
