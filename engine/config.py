@@ -54,6 +54,7 @@ class SchedulerConfig:
     chunk_size: int = 256
     batch_timeout_ms: int = 50
     max_waiting: int = 1024
+    priority_aging_s: float = 0.0
 
     def validate(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
@@ -62,6 +63,7 @@ class SchedulerConfig:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
         _require(self.batch_timeout_ms >= 0, "batch_timeout_ms", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
+        _require(self.priority_aging_s >= 0, "priority_aging_s", "must be >= 0 (0 = strict priority)")
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,8 @@ def _build(section_cls: type, values: dict[str, Any]) -> Any:
         expected = hints[key]
         # bool is an int subclass: check it first so `port = true` is refused.
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, values = True, {**values, key: float(value)}  # `priority_aging_s = 30` means 30.0
         if not ok:
             raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
     return section_cls(**values)

@@ -1,7 +1,10 @@
 """Incremental detokenization with stop strings.
 
 Text is released only when it is final: a token that ends inside a multi-byte UTF-8
-character decodes to U+FFFD and is held until the character completes; text that could be
+character decodes to U+FFFD and is held until the character completes — for at most
+MAX_PENDING_TOKENS tokens (a UTF-8 character has at most 4 bytes, so a longer run is invalid
+bytes: it is released with its U+FFFD and decoding moves on, so each token costs a bounded
+decode); a partial character left when the request ends is released as U+FFFD; text that could be
 the start of a stop string is held until it is known not to be one, and a stop string found
 (even across token boundaries) is cut together with everything after it.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 5  # prompt tokens decoded alongside, so the first output token gets its spacing right
+MAX_PENDING_TOKENS = 4  # tokens held for an incomplete character before it is given up as U+FFFD
 
 
 class Detokenizer:
@@ -30,9 +34,12 @@ class Detokenizer:
         if self.hit_stop:
             return
         self.ids.append(token_id)
+        self._advance(force=len(self.ids) - self.read_offset >= MAX_PENDING_TOKENS)
+
+    def _advance(self, force: bool) -> None:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
+        if not force and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT)):
             return  # incomplete character (or nothing printable yet): wait for more tokens
         self.text += full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -60,6 +67,8 @@ class Detokenizer:
 
     def take(self, final: bool = False) -> str:
         """Text that is safe to send now (everything left, when `final`)."""
+        if final and not self.hit_stop and self.read_offset < len(self.ids):
+            self._advance(force=True)  # a partial character at the end: U+FFFD, not nothing
         end = len(self.text) if final else len(self.text) - self._held_back()
         delta = self.text[self.num_emitted : end]
         self.num_emitted = max(self.num_emitted, end)

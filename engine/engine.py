@@ -30,6 +30,7 @@ from engine.kv_cache import KVCache
 from engine.messages import AbortRequest, EngineSnapshot, RequestOutput, Shutdown, StepPlan, StepRecord, Submit
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model
+from engine.output_buffer import OutputBuffer
 from engine.policies import make_policy
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
@@ -52,7 +53,8 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._subscribers: set[asyncio.Queue] = set()
         self._ids = itertools.count()
-        self._live: dict[str, object] = {}  # request id -> Request, between submit and stream end
+        # request id -> its outputs, from submit until the final output is taken or it is aborted
+        self._live: dict[str, OutputBuffer] = {}
         self.ready = False
         self.dead: str | None = None
         self.tokenizer = None
@@ -90,11 +92,11 @@ class Engine:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scheduler = Scheduler(
             make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager), self.executor.execute,
-            self._broadcast, pad,
+            self._broadcast, pad, cfg.scheduler.priority_aging_s,
         )
         self.intake = Intake(
-            self.tokenizer, self.scheduler.inbox, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
-            cfg.scheduler.max_waiting, lambda: len(self.scheduler.snapshot.waiting),
+            self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
+            cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued,
         )
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:
@@ -114,6 +116,15 @@ class Engine:
         else:
             self.dead = self.scheduler.dead or f"{task.get_name()} stopped"
         self.ready = False
+        self._fail_live(self.dead)
+
+    def _fail_live(self, reason: str) -> None:
+        """End every stream still open with an error (a dead actor will never answer them);
+        a stream that already got its final output is left as it is."""
+        for request_id, outputs in list(self._live.items()):
+            outputs.put_nowait(RequestOutput(
+                request_id=request_id, text="", token_ids=[], finished=True, finish_reason="error", error=reason,
+            ))
 
     async def stop(self) -> None:
         if not self._tasks:
@@ -130,6 +141,8 @@ class Engine:
         for t in self._tasks:
             t.cancel()
         self._tasks.clear()
+        self._fail_live(self.dead)
+        self._live.clear()
         for q in self._subscribers:
             q.put_nowait(None)
 
@@ -156,20 +169,32 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self._live:
+            raise RequestError(f"request id {request_id!r} is already in use by a live request", "request_id")
+        outputs = OutputBuffer(on_final=lambda: self._forget(request_id, outputs))
+        self._live[request_id] = outputs  # reserved now: no await between the check and this
         reply = asyncio.get_running_loop().create_future()
-        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), reply))
+        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), outputs, reply))
         try:
-            request = await asyncio.shield(reply)
+            await asyncio.shield(reply)
         except asyncio.CancelledError:
             # The caller gave up while intake worked: if intake accepts, abort right after.
+            self._forget(request_id, outputs)
             reply.add_done_callback(lambda f: f.cancelled() or f.exception() or self.scheduler.inbox.put_nowait(
                 AbortRequest(request_id)))
             raise
+        except Exception:
+            self._forget(request_id, outputs)
+            raise
         if self.dead or self.scheduler.dead:
             # the scheduler died while intake handled this request: nobody would ever answer it
+            self._forget(request_id, outputs)
             raise EngineDeadError(self.dead or self.scheduler.dead)
-        self._live[request_id] = request
         return request_id
+
+    def _forget(self, request_id: str, outputs: OutputBuffer) -> None:
+        if self._live.get(request_id) is outputs:
+            del self._live[request_id]
 
     async def generate(
         self,
@@ -185,21 +210,28 @@ class Engine:
             yield out
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        request = self._live[request_id]
+        """The outputs of a submitted request, until its final one. Leaving early aborts it."""
+        outputs = self._live.get(request_id)
+        if outputs is None:
+            raise RequestError(f"no live request with id {request_id!r} (finished and read, aborted, or never submitted)",
+                               "request_id")
         finished = False
         try:
             while True:
-                out: RequestOutput = await request.outputs.get()
+                out: RequestOutput = await outputs.get()
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
-            self._live.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """End a request; its stream (if one is read) gets a final output with "abort"."""
+        outputs = self._live.get(request_id)
+        if outputs is not None:
+            outputs.abandon()  # forgotten once it ends, even if nobody reads its final output
         if self._tasks:
             self.scheduler.inbox.put_nowait(AbortRequest(request_id))
 

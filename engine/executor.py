@@ -74,15 +74,14 @@ class Executor:
         logits_rows: list[int] = []
         for item in plan.items:
             n = len(item.token_ids)
+            real = n - item.num_padding
             pos = range(item.start_pos, item.start_pos + n)
             ids += item.token_ids
             positions += pos
-            if item.block_table:
-                table = item.block_table
-                slots += [table[p // bs] * bs + p % bs for p in pos]
-            else:
-                slots += [-1] * n  # padding: computed, never stored
-            logits_rows.append(len(ids) - 1)
+            table = item.block_table
+            slots += [table[p // bs] * bs + p % bs for p in pos[:real]]
+            slots += [-1] * item.num_padding  # padding: computed, never stored
+            logits_rows.append(len(ids) - item.num_padding - 1)  # the request's last token
         meta = AttentionMetadata.build(
             query_lens=[len(i.token_ids) for i in plan.items],
             context_lens=[i.start_pos for i in plan.items],

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
-from engine.messages import AddRequest, IntakeMsg, Shutdown, Submit
+from engine.messages import IntakeMsg, Shutdown, Submit
 from engine.request import Request
 
 LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
@@ -24,14 +24,14 @@ class Intake:
     def __init__(
         self,
         tokenizer,
-        scheduler_inbox: asyncio.Queue,
+        add: Callable[[Request], None],
         max_model_len: int,
         kv_capacity_tokens: int,
         max_waiting: int,
         num_waiting: Callable[[], int],
     ):
         self.tokenizer = tokenizer
-        self.scheduler_inbox = scheduler_inbox
+        self.add = add  # hands an accepted request to the scheduler
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_waiting = max_waiting
@@ -53,9 +53,9 @@ class Intake:
                             if not msg.reply.done():
                                 msg.reply.set_exception(e)
                             continue
-                        self.scheduler_inbox.put_nowait(AddRequest(request))
+                        self.add(request)
                         if not msg.reply.done():
-                            msg.reply.set_result(request)
+                            msg.reply.set_result(None)
                     case Shutdown():
                         return
         finally:
@@ -85,7 +85,7 @@ class Intake:
                 "max_tokens",
             )
         detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals))
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals), msg.outputs)
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from engine.output_buffer import OutputBuffer
 from engine.request import Request, SamplingParams
 
 # --- public records (serialisable: the HTTP frontend streams them as JSON) ------------------
@@ -68,6 +69,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     finished: list[FinishedRequest] = []  # requests that left since the previous record
     error: str | None = None
 
+    @property
+    def is_idle(self) -> bool:
+        """No step ran: the record only reports requests that ended meanwhile (e.g. aborted
+        while waiting). It repeats the last step's number."""
+        return not self.items and self.error is None
+
 
 class RequestSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
@@ -97,10 +104,11 @@ class EngineSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     kind: Kind
-    token_ids: list[int]  # the tokens fed this step
+    token_ids: list[int]  # the tokens fed this step: the request's, then num_padding pad tokens
     start_pos: int  # position of token_ids[0]
-    block_table: list[int]  # empty for padding (its KV is not stored)
-    sample: bool  # does this item end at the request's last known token?
+    block_table: list[int]  # the request's blocks (pad tokens' KV is never stored)
+    sample: bool  # do the request's tokens end at its last known token? (sampled after the last of them)
+    num_padding: int = 0  # trailing pad tokens (static batching): computed, not stored, not sampled
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -150,7 +158,8 @@ class Submit(msgspec.Struct, tag=True):
     prompt: str | list[int] | None
     messages: list[dict] | None
     params: SamplingParams
-    reply: asyncio.Future  # -> Request, or an exception
+    outputs: OutputBuffer  # where the scheduler will put this request's outputs
+    reply: asyncio.Future  # -> None once accepted, or the exception that refused it
 
 
 IntakeMsg = Submit | Shutdown

@@ -20,13 +20,16 @@ output's. So:
   have read had it kept up, only in fewer, larger deltas, and the final output still comes
   last, exactly once.
 
-`num_coalesced` and `high_water` are kept for tests and observation.
+`num_coalesced` and `high_water` are kept for tests and observation. `on_final` is called once,
+when the final output is taken — or, once the reader `abandon`s the request (it aborted), as
+soon as the final output is put: the engine then forgets the request, however it was read.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -45,10 +48,13 @@ def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
 class OutputBuffer:
     """Single producer (the scheduler, `put_nowait`), single reader (`get`)."""
 
-    def __init__(self, max_pending: int = MAX_PENDING_OUTPUTS):
+    def __init__(self, max_pending: int = MAX_PENDING_OUTPUTS, on_final: Callable[[], None] | None = None):
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.max_pending = max_pending
+        self.on_final = on_final
+        self.has_final = False  # a final output was put (nothing may follow it)
+        self._abandoned = False
         self._items: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future | None = None
         self.num_coalesced = 0  # outputs merged into an earlier one
@@ -64,6 +70,9 @@ class OutputBuffer:
         return not self._items
 
     def put_nowait(self, out: RequestOutput) -> None:
+        if self.has_final:
+            return  # the request already ended (e.g. failed by a dying engine): one end only
+        self.has_final = out.finished
         items = self._items
         if len(items) >= self.max_pending and not items[-1].finished:
             items[-1] = merge(items[-1], out)
@@ -73,11 +82,20 @@ class OutputBuffer:
             self.high_water = max(self.high_water, len(items))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if out.finished and self._abandoned:
+            self._fire()
+
+    def abandon(self) -> None:
+        """The reader aborted the request: forget it when it ends, whether or not its final
+        output is ever read (a stream already reading still gets it)."""
+        self._abandoned = True
+        if self.has_final:
+            self._fire()
 
     def get_nowait(self) -> RequestOutput:
         if not self._items:
             raise asyncio.QueueEmpty
-        return self._items.popleft()
+        return self._taken(self._items.popleft())
 
     async def get(self) -> RequestOutput:
         while not self._items:
@@ -86,4 +104,14 @@ class OutputBuffer:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
+        return self._taken(self._items.popleft())
+
+    def _taken(self, out: RequestOutput) -> RequestOutput:
+        if out.finished:
+            self._fire()
+        return out
+
+    def _fire(self) -> None:
+        callback, self.on_final = self.on_final, None
+        if callback is not None:
+            callback()

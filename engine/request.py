@@ -62,6 +62,7 @@ class Request:
         detokenizer: Detokenizer,
         eos_token_id: int | None,
         arrival: int,
+        outputs: OutputBuffer | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -79,7 +80,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.outputs = OutputBuffer()  # bounded: a slow reader gets coalesced deltas
+        self.outputs = outputs if outputs is not None else OutputBuffer()  # bounded: a slow reader gets coalesced deltas
         import torch  # here, not at the top: the messages (and so the monitor) import this module
 
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())

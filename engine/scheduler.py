@@ -32,12 +32,17 @@ class Scheduler:
         execute: Callable[[StepPlan], "asyncio.Future[StepResult]"],
         publish: Callable[[StepRecord], None],
         pad_token_id: int,
+        priority_aging_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.policy = policy
         self.kv = kv
         self.execute = execute
         self.publish = publish
         self.pad_token_id = pad_token_id
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock  # what "now" is for aging (tests pass a fake one)
+        self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
         self.inbox: asyncio.Queue[SchedulerMsg] = asyncio.Queue()
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
@@ -63,17 +68,24 @@ class Scheduler:
                 return
             timeout = None
             self.preempted_this_step = False
+            if self.priority_aging_s > 0:
+                self._age_waiting()
             plan = await self.policy.schedule(self)
             if isinstance(plan, Idle):
                 timeout = plan.timeout_s
                 if timeout is None and self.requests:
                     timeout = 0.05  # blocked on KV: wait for a free or an abort
+                if self._finished:
+                    await self._publish_idle()  # e.g. aborted while nothing ran
                 if not await self._receive(block=True, timeout=timeout):
                     return
+                if self._finished:
+                    await self._publish_idle()
                 continue
             step_plan = self._make_plan(plan)
             result = await self.execute(step_plan)
             self._update(plan, result)
+            self.policy.end_step(self)  # e.g. static: a batch whose requests all finished leaves now
             await self._publish(step_plan, result)
             if self.dead:
                 # requests that arrived while the fatal step ran fail too, not left unanswered
@@ -98,9 +110,28 @@ class Scheduler:
         self.snapshot = self._snapshot()
         return True
 
+    def add(self, request: Request) -> None:
+        """Intake hands over an accepted request (applied at the scheduler's next turn)."""
+        self._num_adds_pending += 1
+        self.inbox.put_nowait(AddRequest(request))
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted and not yet running: what admission control must count, even
+        while a step runs and the inbox is not being read."""
+        return len(self.waiting) + self._num_adds_pending
+
     def _apply(self, msg: SchedulerMsg) -> bool:
         match msg:
             case AddRequest(request):
+                self._num_adds_pending -= 1
+                if request.request_id in self.requests:
+                    # The engine refuses a live duplicate id before intake; this guards the maps.
+                    request.outputs.put_nowait(RequestOutput(
+                        request_id=request.request_id, text="", token_ids=[], finished=True, finish_reason="error",
+                        error=f"request id {request.request_id!r} is already in use",
+                    ))
+                    return True
                 self.requests[request.request_id] = request
                 self._enqueue(request)
             case AbortRequest(request_id):
@@ -129,18 +160,18 @@ class Scheduler:
         return req.status is Status.RUNNING
 
     async def reserve(self, req: Request, num_new_tokens: int, scheduled: list[Decision]) -> bool:
-        """Make room for a running request's next tokens, preempting the newest running
-        request not yet scheduled this step when the pool is dry. False if `req` itself had
-        to be preempted."""
+        """Make room for a running request's next tokens. When the pool is dry, preempt the
+        running request with the lowest priority, newest arrival first — `req` itself or one
+        already in `scheduled` included (its decision is taken back). False if `req` itself
+        had to be preempted."""
         while True:
             alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + num_new_tokens)
             if alloc is not None:
                 self.block_tables[req.request_id] = alloc.block_table
                 return True
-            taken = {id(d.request) for d in scheduled}  # only on the rare dry pool: O(scheduled)
-            victims = [r for r in self.running if id(r) not in taken]
-            victim = max(victims, key=lambda r: r.sort_key)
+            victim = max(self.running, key=lambda r: r.sort_key)  # only on the rare dry pool: O(running)
             self._preempt(victim)
+            scheduled[:] = [d for d in scheduled if d.request is not victim]
             if victim is req:
                 return False
 
@@ -180,6 +211,13 @@ class Scheduler:
         ))
 
     # --- state changes ----------------------------------------------------------------
+
+    def _age_waiting(self) -> None:
+        """Priority aging: a waiting request gains one priority level (a lower number) per
+        `priority_aging_s` seconds waited, so steady high-priority load cannot starve it."""
+        now = self.clock()
+        self.waiting.sort(key=lambda r: (r.params.priority - int((now - r.arrival_time) / self.priority_aging_s),
+                                         r.arrival))
 
     def _enqueue(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -227,20 +265,22 @@ class Scheduler:
         items = []
         for d in decisions:
             req = d.request
-            if d.padding:
+            start = req.num_computed_tokens
+            pads = [self.pad_token_id] * d.num_padding
+            if d.num_tokens == 0:  # a finished request's place in a static batch
                 items.append(PlanItem(
-                    request_id=req.request_id, kind="padding", token_ids=[self.pad_token_id] * d.num_tokens,
-                    start_pos=0, block_table=[], sample=False,
+                    request_id=req.request_id, kind="padding", token_ids=pads, start_pos=start,
+                    block_table=self.block_tables[req.request_id], sample=False, num_padding=d.num_padding,
                 ))
                 continue
-            start = req.num_computed_tokens
             sample = start + d.num_tokens == req.num_tokens
             kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
             p = req.params
             items.append(PlanItem(
-                request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens],
+                request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
                 start_pos=start, block_table=self.block_tables[req.request_id], sample=sample,
-                temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
+                num_padding=d.num_padding, temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p),
+                generator=req.generator,
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
@@ -251,7 +291,7 @@ class Scheduler:
             # committed block would be handed to later requests with the same prefix.
             self.consecutive_failures += 1
             for d in decisions:
-                if not d.padding and d.request.status is Status.RUNNING:
+                if d.request.status is Status.RUNNING:
                     self._remove(d.request)
                     self._finish(d.request, "error", result.error)
             if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -261,7 +301,7 @@ class Scheduler:
         commits = []
         for d in decisions:
             req = d.request
-            if d.padding or req.status is not Status.RUNNING:
+            if d.num_tokens == 0 or req.status is not Status.RUNNING:
                 continue
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
@@ -298,13 +338,31 @@ class Scheduler:
             error=req.error if final else None,
         ))
 
+    async def _publish_idle(self) -> None:
+        """Requests that ended while no step ran (aborted while waiting or while the engine was
+        idle) are published at once, in a record of the last step's number with no items."""
+        figures = await self.kv.sync()
+        self.snapshot = self._snapshot(figures)
+        self.publish(StepRecord(
+            step=self.step, start_time=time.time(), duration_s=0.0, forward_s=0.0, policy=self.policy.name,
+            token_budget=self.policy.token_budget, items=[], num_prefill_tokens=0, num_decode_tokens=0,
+            num_padding_tokens=0, num_cached_tokens=0, num_waiting=len(self.waiting), num_running=len(self.running),
+            kv_usage=figures.usage, num_preemptions=self.num_preemptions, finished=self._finished,
+        ))
+        self._finished = []
+
     async def _publish(self, plan: StepPlan, result: StepResult) -> None:
         figures = await self.kv.sync()
         kinds = {"prefill": 0, "decode": 0, "padding": 0}
         items = []
         for it in plan.items:
-            kinds[it.kind] += len(it.token_ids)
-            items.append(StepItem(it.request_id, it.kind, len(it.token_ids), it.start_pos))
+            n = len(it.token_ids) - it.num_padding
+            if n:
+                kinds[it.kind] += n
+                items.append(StepItem(it.request_id, it.kind, n, it.start_pos))
+            if it.num_padding:
+                kinds["padding"] += it.num_padding
+                items.append(StepItem(it.request_id, "padding", it.num_padding, it.start_pos + n))
         self.snapshot = self._snapshot(figures)
         self.publish(StepRecord(
             step=plan.step, start_time=result.start_time, duration_s=result.duration_s, forward_s=result.forward_s,

@@ -107,12 +107,15 @@ class MonitorState:
         self.engine_note = "" if state.ready else f"engine dead: {state.dead}" if state.dead else "engine loading"
 
     def add(self, record: StepRecord) -> None:
-        if self.records and record.step <= self.records[-1].step:
+        if self.records and (record.step < self.records[-1].step or record.step == self.records[-1].step
+                             and not record.is_idle):
             self.reset()  # the engine restarted: its step numbers start over
-        self.records.append(record)
-        self.num_steps_seen += 1
         for f in record.finished:
             self._finish_reasons[f.finish_reason] += 1
+        if record.is_idle:
+            return  # no step ran: only the finished requests count
+        self.records.append(record)
+        self.num_steps_seen += 1
         self._ttft.extend(record.ttft_s)
         self._ttft_series.extend(record.ttft_s)
         self._itl.extend(record.itl_s)

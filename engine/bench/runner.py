@@ -74,7 +74,8 @@ async def run_in_process(
 
     async def record() -> None:
         async for s in engine.steps():
-            steps.append(s)
+            if not s.is_idle:
+                steps.append(s)
 
     recorder = asyncio.create_task(record())
     await asyncio.sleep(0)  # let the recorder subscribe before the first step

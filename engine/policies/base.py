@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Decision:
-    """Give `request` its next `num_tokens` tokens this step (padding: `request` is the
-    padded one, its KV is not stored and nothing is sampled)."""
+    """Give `request` its next `num_tokens` tokens this step, then `num_padding` pad tokens in
+    the same sequence (static batching: they attend to the request's context at the positions
+    they occupy, as a padded batch computes them; their KV is not stored, nothing is sampled
+    from them)."""
 
     request: Request
     num_tokens: int
-    padding: bool = False
+    num_padding: int = 0
 
 
 @dataclass
@@ -41,4 +43,8 @@ class Policy(Protocol):
 
     def forget(self, request: Request) -> None:
         """The request left (aborted, failed or preempted): drop any reference to it."""
+        ...
+
+    def end_step(self, s: Scheduler) -> None:
+        """After a step's results are applied (e.g. static releases a batch that is done)."""
         ...

@@ -43,3 +43,6 @@ class ChunkedPolicy:
 
     def forget(self, request) -> None:
         pass
+
+    def end_step(self, s) -> None:
+        pass

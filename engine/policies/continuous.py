@@ -33,3 +33,6 @@ class ContinuousPolicy:
 
     def forget(self, request) -> None:
         pass
+
+    def end_step(self, s) -> None:
+        pass

@@ -4,6 +4,10 @@ Gather up to `max_num_seqs` requests (or whatever arrived within `batch_timeout_
 every prompt to the longest and compute the padding, then decode until the longest request
 finishes: a finished request stays in the batch as one padding token per step, and its
 final output is delivered only when the batch ends. New requests wait for the whole batch.
+
+The padding is computed as a padded batch computes it: a prompt's pad tokens sit after its
+prompt, in the same sequence, and attend to it; a finished request's pad token attends to
+its whole context. Their KV is never stored and nothing is sampled from them.
 """
 
 from __future__ import annotations
@@ -24,16 +28,12 @@ class StaticPolicy:
         self.batch: list = []
 
     async def schedule(self, s) -> list[Decision] | Idle:
-        if self.batch and all(r.is_finished for r in self.batch):
-            for req in self.batch:
-                s.release(req)
-            self.batch = []
         if not self.batch:
             return await self._start_batch(s)
         decisions: list[Decision] = []
         for req in list(self.batch):
             if req.is_finished:
-                decisions.append(Decision(req, 1, padding=True))
+                decisions.append(Decision(req, 0, num_padding=1))
             elif s.is_running(req) and await s.reserve(req, 1, decisions):
                 decisions.append(Decision(req, req.num_tokens - req.num_computed_tokens))
         return decisions or Idle()
@@ -53,8 +53,9 @@ class StaticPolicy:
             decisions.append(Decision(req, n))
             self.batch.append(req)
         longest = max((d.num_tokens for d in decisions), default=0)
-        padding = [Decision(d.request, longest - d.num_tokens, padding=True) for d in decisions if d.num_tokens < longest]
-        return decisions + padding or Idle()
+        for d in decisions:
+            d.num_padding = longest - d.num_tokens
+        return decisions or Idle()
 
     def hold_finished(self, request) -> bool:
         return request in self.batch
@@ -62,3 +63,11 @@ class StaticPolicy:
     def forget(self, request) -> None:
         if request in self.batch:
             self.batch.remove(request)
+
+    def end_step(self, s) -> None:
+        """The batch ends with the step its last request finished in: all final outputs and
+        their finish records go out with that step, not with the next batch's first."""
+        if self.batch and all(r.is_finished for r in self.batch):
+            for req in self.batch:
+                s.release(req)
+            self.batch = []

@@ -71,6 +71,12 @@ class Metrics:
 
     def observe(self, rec: StepRecord) -> None:
         name, policy = self.model_name, rec.policy
+        for f in rec.finished:
+            self.request_success.labels(name, f.finish_reason).inc()
+            self.prompt_tokens.labels(name).inc(f.num_prompt_tokens)
+            self.e2e.labels(name).observe(f.e2e_s)
+        if rec.is_idle:
+            return
         self.steps.labels(policy).inc()
         self.step_duration.labels(policy).observe(rec.duration_s)
         for kind, n in [("prefill", rec.num_prefill_tokens), ("decode", rec.num_decode_tokens),
@@ -84,10 +90,6 @@ class Metrics:
             self.ttft.labels(name).observe(t)
         for t in rec.itl_s:
             self.itl.labels(name).observe(t)
-        for f in rec.finished:
-            self.request_success.labels(name, f.finish_reason).inc()
-            self.prompt_tokens.labels(name).inc(f.num_prompt_tokens)
-            self.e2e.labels(name).observe(f.e2e_s)
         if rec.num_preemptions > self._last_preemptions:
             self.preemptions.labels(name).inc(rec.num_preemptions - self._last_preemptions)
         self._last_preemptions = rec.num_preemptions

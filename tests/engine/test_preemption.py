@@ -68,3 +68,27 @@ async def test_request_that_can_never_fit_is_refused_at_submit(tiny_model, roomy
         for i, r in enumerate(results):
             assert r.finish_reason == "length" and r.token_ids == roomy_tokens[i]
         await assert_drained(engine)
+
+
+@pytest.mark.parametrize("priorities", [(0, 0), (0, 5)], ids=["fcfs", "priority"])
+async def test_the_victim_is_the_lowest_priority_newest_request(tiny_model, priorities):
+    """An older (or more important) request in chunked prefill and a newer one decoding: when
+    the pool runs dry, the newer (less important) one is preempted — its already planned
+    decode taken back — never the older prefill."""
+    cfg = tiny_config(policy="chunked", num_blocks=24, block_size=2, chunk_size=4, max_num_batched_tokens=8)
+    async with asyncio.timeout(60):
+        async with Engine(cfg, loaded=tiny_model) as engine:
+            recorder = await StepRecorder(engine).start()
+            old = asyncio.create_task(run_request(engine, list(range(3, 43)), greedy(2, priority=priorities[0])))
+            await asyncio.sleep(0)
+            new = asyncio.create_task(run_request(engine, [50, 51], greedy(30, priority=priorities[1])))
+            old_r, new_r = await old, await new
+            records = await recorder.caught_up()
+            await assert_drained(engine)
+    assert old_r.finish_reason == new_r.finish_reason == "length"
+    assert records[-1].num_preemptions >= 1  # the pool did run dry
+    starts = [it.position for r in records for it in r.items if it.request_id == old_r.request_id
+              and it.kind == "prefill"]
+    assert starts == sorted(set(starts)), f"the older request was preempted: prefill restarted {starts}"
+    new_positions = [it.position for r in records for it in r.items if it.request_id == new_r.request_id]
+    assert new_positions != sorted(new_positions)  # the newer one was the victim: it went back and recomputed
