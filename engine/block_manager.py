@@ -1,9 +1,14 @@
 """The KV block manager actor: the only owner of the BlockPool.
 
-The scheduler talks to it through `BlockManagerClient`: `allocate` awaits an answer (a block
-table, or None = cannot allocate, and the scheduler decides whom to preempt); `commit` and
-`free` are one-way messages. The inbox is FIFO, so a free sent before an allocate is applied
-first. Figures (usage, hit rate) are published after every message for snapshots.
+The scheduler sends it one `KVStep` per step — everything that step changes in the cache:
+commits of newly computed blocks, frees of requests that left, growths of running requests
+and admissions of new ones — and gets one `KVGrant` back: the block tables, what each
+admission got (prefix-cache hits found here), the growths refused, and the pool's figures.
+Order inside a step: commits, frees, growths (most important request first), admissions.
+
+Tables in a grant are the pool's own lists, not copies: the scheduler and the executor read
+them only until the scheduler's next message, and the pool changes a table only while it
+handles a message — so nobody reads a table while it changes.
 """
 
 from __future__ import annotations
@@ -12,33 +17,30 @@ import asyncio
 
 import msgspec
 
-from engine.block_pool import Allocation, BlockPool
+from engine.block_pool import BlockPool
 
 
-class Allocate(msgspec.Struct, tag=True):
+class Admit(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
-    num_tokens: int
-    token_ids: list[int] | None
-    reply: asyncio.Future
+    token_ids: list[int]  # all the request's tokens (prompt, and outputs after a preemption)
+    lookup: bool  # look the prefix up in the cache
+    max_new_tokens: int
+    min_new_tokens: int  # all-or-nothing policies ask for every token at once
 
 
-class Commit(msgspec.Struct, tag=True):
-    items: list[tuple[str, list[int], int]]  # (request id, token ids, num computed)
-
-
-class Free(msgspec.Struct, tag=True):
-    request_id: str
-
-
-class Sync(msgspec.Struct, tag=True):
-    reply: asyncio.Future  # -> KVFigures once every earlier message is applied
+class KVStep(msgspec.Struct, tag=True):
+    commits: list[tuple[str, list[int], int]]  # (request id, token ids, num computed)
+    frees: list[str]
+    grows: list[tuple[str, int]]  # (request id, tokens to hold in all), most important first
+    admits: list[Admit]
+    reply: asyncio.Future | None = None  # -> KVGrant; None: nothing to answer (a flush)
 
 
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-BlockMsg = Allocate | Commit | Free | Sync | Stop
+BlockMsg = KVStep | Stop
 
 
 class KVFigures(msgspec.Struct, frozen=True):
@@ -49,11 +51,32 @@ class KVFigures(msgspec.Struct, frozen=True):
     num_owners: int
 
 
+class Admitted(msgspec.Struct, frozen=True, array_like=True):
+    num_cached_tokens: int
+    num_new_tokens: int  # 0: refused (no room), nothing taken
+
+
+class KVGrant(msgspec.Struct, frozen=True):
+    tables: dict[str, list[int]]  # every grown or admitted request's table (read-only, see above)
+    admitted: dict[str, Admitted]
+    refused: list[str]  # growths the pool could not supply
+    figures: KVFigures
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self._pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.inbox: asyncio.Queue[BlockMsg] = asyncio.Queue()
         self.figures = self._figures()
+        self.num_messages = 0  # KVSteps handled (examples/profile_step.py counts them per step)
+
+    @property
+    def block_size(self) -> int:
+        return self._pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
 
     def _figures(self) -> KVFigures:
         p = self._pool
@@ -61,23 +84,38 @@ class BlockManager:
 
     async def run(self) -> None:
         while True:
-            msg = await self.inbox.get()
-            match msg:
-                case Allocate(request_id, num_tokens, token_ids, reply):
-                    result = self._pool.allocate(request_id, num_tokens, token_ids)
-                    if not reply.done():
-                        reply.set_result(result)
-                case Commit(items):
-                    for request_id, token_ids, num_computed in items:
-                        self._pool.commit(request_id, token_ids, num_computed)
-                case Free(request_id):
-                    self._pool.free(request_id)
-                case Sync(reply):
-                    if not reply.done():
-                        reply.set_result(self._figures())
+            match await self.inbox.get():
+                case KVStep() as step:
+                    grant = self.apply(step)
+                    if step.reply is not None and not step.reply.done():
+                        step.reply.set_result(grant)
                 case Stop():
                     return
-            self.figures = self._figures()
+
+    def apply(self, step: KVStep) -> KVGrant:
+        self.num_messages += 1
+        pool = self._pool
+        for request_id, token_ids, num_computed in step.commits:
+            pool.commit(request_id, token_ids, num_computed)
+        for request_id in step.frees:
+            pool.free(request_id)
+        tables, refused, admitted = {}, [], {}
+        dry = False  # once a growth needing blocks is refused, no less important one takes any
+        for request_id, num_tokens in step.grows:
+            table = pool.tables.get(request_id, [])
+            if dry and pool.blocks_for(num_tokens) > len(table) or pool.allocate(request_id, num_tokens) is None:
+                dry = True
+                refused.append(request_id)
+            else:
+                tables[request_id] = pool.tables[request_id]
+        for a in step.admits:
+            cached, new = pool.admit(a.request_id, a.token_ids if a.lookup else None, len(a.token_ids),
+                                     a.max_new_tokens, a.min_new_tokens)
+            admitted[a.request_id] = Admitted(cached, new)
+            if new:
+                tables[a.request_id] = pool.tables[a.request_id]
+        self.figures = self._figures()
+        return KVGrant(tables, admitted, refused, self.figures)
 
     def check_invariants(self) -> None:
         """For tests: the pool's own consistency checks."""
@@ -85,34 +123,22 @@ class BlockManager:
 
 
 class BlockManagerClient:
-    """The scheduler's handle: sends messages, never touches the pool."""
+    """The scheduler's handle: one message per step, never touches the pool."""
 
     def __init__(self, manager: BlockManager):
         self._inbox = manager.inbox
         self._manager = manager
-        self.block_size = manager._pool.block_size
-        self.num_blocks = manager._pool.num_blocks
 
     @property
     def figures(self) -> KVFigures:
+        """The figures published after the last message (a value, safe to read any time)."""
         return self._manager.figures
 
-    async def allocate(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None) -> Allocation | None:
-        reply = asyncio.get_running_loop().create_future()
-        self._inbox.put_nowait(Allocate(request_id, num_tokens, token_ids, reply))
-        return await reply
+    async def step(self, step: KVStep) -> KVGrant:
+        step.reply = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(step)
+        return await step.reply
 
-    def commit(self, items: list[tuple[str, list[int], int]]) -> None:
-        if items:
-            self._inbox.put_nowait(Commit(items))
-
-    def free(self, request_id: str) -> None:
-        self._inbox.put_nowait(Free(request_id))
-
-    async def sync(self) -> KVFigures:
-        reply = asyncio.get_running_loop().create_future()
-        self._inbox.put_nowait(Sync(reply))
-        return await reply
-
-    def stop(self) -> None:
-        self._inbox.put_nowait(Stop())
+    def flush(self, step: KVStep) -> None:
+        """Send commits and frees with no step to plan (the engine went idle)."""
+        self._inbox.put_nowait(step)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
-POLICIES = ("static", "continuous", "chunked")
+from engine.policies import POLICIES as _REGISTRY  # every policy module registers itself
+
+POLICIES = tuple(_REGISTRY)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
@@ -28,7 +30,7 @@ class ModelConfig:
     linear_backend: str = "auto"
     device: str = "auto"
     num_threads: int = 0
-    seed: int = 0
+    seed: int = 0  # seeds the sampling of requests that bring no seed of their own
 
     def validate(self) -> None:
         _require(bool(self.model), "model", "must not be empty")

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, RequestError
 from engine.executor import Executor
 from engine.intake import Intake
+from engine.kv_ledger import KVLedger
 from engine.kv_cache import KVCache
 from engine.messages import AbortRequest, EngineSnapshot, RequestOutput, Shutdown, StepPlan, StepRecord, Submit
 from engine.model.llama import LlamaModel
@@ -91,12 +92,13 @@ class Engine:
         self.executor = Executor(model, kv_cache, self._fault_hook)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scheduler = Scheduler(
-            make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager), self.executor.execute,
-            self._broadcast, pad, cfg.scheduler.priority_aging_s,
+            make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager),
+            KVLedger(cfg.cache.num_blocks, cfg.cache.block_size), self.executor.execute, self._broadcast, pad,
+            cfg.scheduler.priority_aging_s,
         )
         self.intake = Intake(
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
-            cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued,
+            cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed,
         )
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +30,7 @@ class Intake:
         kv_capacity_tokens: int,
         max_waiting: int,
         num_waiting: Callable[[], int],
+        seed: int = 0,
     ):
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
@@ -40,6 +42,7 @@ class Intake:
         self.eos_token_id = tokenizer.eos_token_id
         self.inbox: asyncio.Queue[IntakeMsg] = asyncio.Queue()
         self._arrivals = itertools.count()
+        self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
 
     async def run(self) -> None:
@@ -85,7 +88,8 @@ class Intake:
                 "max_tokens",
             )
         detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals), msg.outputs)
+        seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals), msg.outputs, seed)
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

@@ -35,7 +35,3 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -63,6 +63,7 @@ class Request:
         eos_token_id: int | None,
         arrival: int,
         outputs: OutputBuffer | None = None,
+        seed: int | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -83,7 +84,8 @@ class Request:
         self.outputs = outputs if outputs is not None else OutputBuffer()  # bounded: a slow reader gets coalesced deltas
         import torch  # here, not at the top: the messages (and so the monitor) import this module
 
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        if seed is None:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(seed)
 
     @property

@@ -1,9 +1,11 @@
 """The scheduler actor: owns the waiting and running queues and every request's progress.
 
-Its loop is the algorithm: take messages → ask the policy for a plan → have the executor
-run it → update requests with the sampled tokens → publish a StepRecord. KV blocks are asked
-of the block manager; when it cannot allocate, the scheduler preempts the newest running
-request (recompute: its blocks are freed and it goes back to the waiting queue).
+Its loop is the algorithm: take messages → the policy plans the step (synchronously, against
+the local KV ledger) → one message to the block manager settles the step's KV (tables,
+prefix hits, refusals) → the executor runs the plan → the output processor applies the
+sampled tokens → publish a StepRecord. When the pool is dry the scheduler preempts the
+running request with the lowest priority, newest first (recompute: its blocks are freed and
+it goes back to the waiting queue).
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import bisect
 import time
 from collections.abc import Callable
 
-from engine.block_manager import BlockManagerClient
+from engine.block_manager import BlockManagerClient, KVGrant
+from engine.kv_ledger import KVLedger
 from engine.messages import (
     AbortRequest, AddRequest, EngineSnapshot, FinishedRequest, PlanItem, RequestOutput, RequestSnapshot, SchedulerMsg, Shutdown,
     StepItem, StepPlan, StepRecord, StepResult,
 )
+from engine.output_processor import OutputProcessor, emit
+from engine.plan_view import PlanView
 from engine.policies import Decision, Idle, Policy
 from engine.request import Request, Status
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+KV_BLOCKED_RETRY_S = 0.05  # nothing fits the pool now: wait this long for a free or an abort
 
 
 class Scheduler:
@@ -29,6 +35,7 @@ class Scheduler:
         self,
         policy: Policy,
         kv: BlockManagerClient,
+        ledger: KVLedger,
         execute: Callable[[StepPlan], "asyncio.Future[StepResult]"],
         publish: Callable[[StepRecord], None],
         pad_token_id: int,
@@ -37,24 +44,25 @@ class Scheduler:
     ):
         self.policy = policy
         self.kv = kv
+        self.ledger = ledger
         self.execute = execute
         self.publish = publish
         self.pad_token_id = pad_token_id
         self.priority_aging_s = priority_aging_s
         self.clock = clock  # what "now" is for aging (tests pass a fake one)
-        self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
+        self.outputs = OutputProcessor(clock)
+        self.view = PlanView(self)
         self.inbox: asyncio.Queue[SchedulerMsg] = asyncio.Queue()
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.block_tables: dict[str, list[int]] = {}  # copies of what the block manager granted
         self.step = 0
         self.num_preemptions = 0
         self.preempted_this_step = False
         self.consecutive_failures = 0
         self.dead: str | None = None
+        self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
         self._cached_this_step = 0  # prefix-cache hits of the step being planned
-        self._latencies: tuple[list[float], list[float]] = ([], [])  # (ttft, itl) of the last update
         self._finished: list[FinishedRequest] = []  # left since the last StepRecord
         self.snapshot = self._snapshot()
 
@@ -63,6 +71,8 @@ class Scheduler:
     async def run(self) -> None:
         timeout: float | None = None
         while True:
+            if not self.requests:
+                await self._idle()  # all done: send the last frees, publish what ended, then wait
             # self.requests also holds finished requests a static batch still keeps
             if not await self._receive(block=not self.requests, timeout=timeout):
                 return
@@ -70,23 +80,24 @@ class Scheduler:
             self.preempted_this_step = False
             if self.priority_aging_s > 0:
                 self._age_waiting()
-            plan = await self.policy.schedule(self)
-            if isinstance(plan, Idle):
-                timeout = plan.timeout_s
+            decisions = self.policy.schedule(self.view)
+            if not isinstance(decisions, Idle):
+                grant = await self.kv.step(self.ledger.take())  # the step's one KV round trip
+                decisions = self._settle(decisions, grant)
+            if isinstance(decisions, Idle) or not decisions:
+                timeout = decisions.timeout_s if isinstance(decisions, Idle) else KV_BLOCKED_RETRY_S
                 if timeout is None and self.requests:
-                    timeout = 0.05  # blocked on KV: wait for a free or an abort
-                if self._finished:
-                    await self._publish_idle()  # e.g. aborted while nothing ran
+                    timeout = KV_BLOCKED_RETRY_S  # blocked on KV: wait for a free or an abort
+                await self._idle()
                 if not await self._receive(block=True, timeout=timeout):
                     return
-                if self._finished:
-                    await self._publish_idle()
+                await self._idle()
                 continue
-            step_plan = self._make_plan(plan)
-            result = await self.execute(step_plan)
-            self._update(plan, result)
-            self.policy.end_step(self)  # e.g. static: a batch whose requests all finished leaves now
-            await self._publish(step_plan, result)
+            plan = self._make_plan(decisions)
+            result = await self.execute(plan)
+            stats = self._update(decisions, result)
+            self.policy.end_step(self.view)  # e.g. static: a batch whose requests all finished leaves now
+            self._publish(plan, result, stats)
             if self.dead:
                 # requests that arrived while the fatal step ran fail too, not left unanswered
                 if await self._receive(block=False):
@@ -143,7 +154,7 @@ class Scheduler:
                 elif not req.is_finished:
                     self._remove(req)
                     self._finish(req, "abort")
-                elif self.policy.hold_finished(req):
+                elif self.policy.holds_finished(req):
                     self.release(req)  # finished but held by static batching: let it go now
                     self.policy.forget(req)
             case Shutdown(reason):
@@ -151,62 +162,36 @@ class Scheduler:
                 return False
         return True
 
-    # --- helpers the policies call ----------------------------------------------------
-
-    def running_in_order(self) -> list[Request]:
-        return sorted(self.running, key=lambda r: r.sort_key)
+    # --- what the plan view offers the policies ---------------------------------------
 
     def is_running(self, req: Request) -> bool:
         return req.status is Status.RUNNING
 
-    async def reserve(self, req: Request, num_new_tokens: int, scheduled: list[Decision]) -> bool:
-        """Make room for a running request's next tokens. When the pool is dry, preempt the
-        running request with the lowest priority, newest arrival first — `req` itself or one
-        already in `scheduled` included (its decision is taken back). False if `req` itself
-        had to be preempted."""
-        while True:
-            alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + num_new_tokens)
-            if alloc is not None:
-                self.block_tables[req.request_id] = alloc.block_table
-                return True
-            victim = max(self.running, key=lambda r: r.sort_key)  # only on the rare dry pool: O(running)
+    def grow(self, req: Request, num_new_tokens: int, decisions: list[Decision]) -> bool:
+        while not self.ledger.grow(req.request_id, req.num_computed_tokens + num_new_tokens):
+            victim = max(self.running, key=lambda r: r.sort_key)  # lowest priority, newest
             self._preempt(victim)
-            scheduled[:] = [d for d in scheduled if d.request is not victim]
+            decisions[:] = [d for d in decisions if d.request is not victim]
             if victim is req:
                 return False
+        return True
 
-    async def admit(self, req: Request, max_new_tokens: int) -> int:
-        """Try to move the head of the waiting queue to running with up to
-        `max_new_tokens` tokens to compute; returns how many were granted (0 = no room)."""
-        tokens = req.all_token_ids
-        lookup = tokens if self.policy.uses_prefix_cache else None
-        first = await self.kv.allocate(req.request_id, 1, lookup)
-        if first is None:
-            return 0
-        req.num_computed_tokens = first.num_cached_tokens
-        n = min(max_new_tokens, req.num_tokens - req.num_computed_tokens)
-        alloc = await self.kv.allocate(req.request_id, req.num_computed_tokens + n)
-        if alloc is None:
-            self.kv.free(req.request_id)
-            req.num_computed_tokens = 0
-            return 0
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = first.num_cached_tokens
-        self.block_tables[req.request_id] = alloc.block_table
-        self.waiting.remove(req)
-        req.status = Status.RUNNING
-        self.running.append(req)
-        self._cached_this_step += first.num_cached_tokens
+    def admit(self, req: Request, max_new_tokens: int, min_new_tokens: int) -> int:
+        n = self.ledger.admit(req.request_id, req.all_token_ids, self.policy.uses_prefix_cache,
+                              min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens))
+        if n:
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
         return n
 
     def release(self, req: Request, new_tokens: list[int] | None = None) -> None:
         """A finished request leaves: free its blocks, deliver its final output."""
-        self.kv.free(req.request_id)
-        self.block_tables.pop(req.request_id, None)
+        self.ledger.free(req.request_id)
         self.requests.pop(req.request_id, None)
-        self._emit(req, new_tokens or [], final=True)
+        emit(req, new_tokens or [], final=True)
         self._finished.append(FinishedRequest(
-            req.request_id, req.finish_reason or "abort", time.monotonic() - req.arrival_time,
+            req.request_id, req.finish_reason or "abort", self.clock() - req.arrival_time,
             req.num_prompt_tokens, len(req.output_token_ids),
         ))
 
@@ -225,8 +210,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
-        self.block_tables.pop(req.request_id, None)
+        self.ledger.free(req.request_id)
         self.policy.forget(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -245,8 +229,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
-        if reason not in ("abort", "error") and self.policy.hold_finished(req):
-            self._emit(req, new_tokens or [], final=False)  # static batching: final output when the batch ends
+        if reason not in ("abort", "error") and self.policy.holds_finished(req):
+            emit(req, new_tokens or [], final=False)  # static batching: final output when the batch ends
             return
         self.release(req, new_tokens)
 
@@ -258,7 +242,33 @@ class Scheduler:
             else:
                 self._finish(req, "error", reason)
 
-    # --- plan and update --------------------------------------------------------------
+    # --- settle, plan and update ------------------------------------------------------
+
+    def _settle(self, decisions: list[Decision], grant: KVGrant) -> list[Decision]:
+        """Apply the block manager's answer: admissions get their prefix hits (and maybe fewer
+        tokens, or none), refused growths are preempted. Returns the decisions that run."""
+        self.ledger.apply(grant)
+        for request_id in grant.refused:
+            self._preempt(self.requests[request_id])
+        kept = []
+        for d in decisions:
+            req = d.request
+            got = grant.admitted.get(req.request_id)
+            if got is not None:
+                if not got.num_new_tokens:  # no room after all: back to waiting, as it was
+                    self.running.remove(req)
+                    self.policy.forget(req)
+                    self._enqueue(req)
+                    continue
+                req.num_computed_tokens = got.num_cached_tokens
+                d.num_tokens = got.num_new_tokens
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = got.num_cached_tokens
+                self._cached_this_step += got.num_cached_tokens
+            if d.num_tokens and req.status is not Status.RUNNING:
+                continue  # preempted just now
+            kept.append(d)
+        return kept
 
     def _make_plan(self, decisions: list[Decision]) -> StepPlan:
         self.step += 1
@@ -267,10 +277,11 @@ class Scheduler:
             req = d.request
             start = req.num_computed_tokens
             pads = [self.pad_token_id] * d.num_padding
+            table = self.ledger.tables[req.request_id]
             if d.num_tokens == 0:  # a finished request's place in a static batch
                 items.append(PlanItem(
-                    request_id=req.request_id, kind="padding", token_ids=pads, start_pos=start,
-                    block_table=self.block_tables[req.request_id], sample=False, num_padding=d.num_padding,
+                    request_id=req.request_id, kind="padding", token_ids=pads, start_pos=start, block_table=table,
+                    sample=False, num_padding=d.num_padding,
                 ))
                 continue
             sample = start + d.num_tokens == req.num_tokens
@@ -278,14 +289,13 @@ class Scheduler:
             p = req.params
             items.append(PlanItem(
                 request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
-                start_pos=start, block_table=self.block_tables[req.request_id], sample=sample,
-                num_padding=d.num_padding, temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p),
-                generator=req.generator,
+                start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
+                temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
 
-    def _update(self, decisions: list[Decision], result: StepResult) -> None:
+    def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
         if result.error is not None:
             # Nothing of a failed step is committed: its KV may never have been written, and a
             # committed block would be handed to later requests with the same prefix.
@@ -296,7 +306,7 @@ class Scheduler:
                     self._finish(d.request, "error", result.error)
             if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 self.dead = f"executor failed {self.consecutive_failures} steps in a row: {result.error}"
-            return
+            return [], []
         self.consecutive_failures = 0
         commits = []
         for d in decisions:
@@ -305,54 +315,33 @@ class Scheduler:
                 continue
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
-        self.kv.commit(commits)
-        now = time.monotonic()
-        ttft, itl = self._latencies = ([], [])
-        for request_id, token in result.sampled.items():
-            req = self.requests.get(request_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted while the step ran
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                ttft.append(now - req.arrival_time)
-            else:
-                itl.append(now - req.last_token_time)
-            req.last_token_time = now
-            req.detokenizer.push(token)
-            reason = req.stop_reason()
-            if reason is None:
-                self._emit(req, [token], final=False)
-            else:
-                self.running.remove(req)
-                self._finish(req, reason, new_tokens=[token])
+        self.ledger.commit(commits)
+        stopped, ttft, itl = self.outputs.process(self.requests, result.sampled)
+        for req, reason, token in stopped:
+            self.running.remove(req)
+            self._finish(req, reason, new_tokens=[token])
+        return ttft, itl
 
-    def _emit(self, req: Request, new_tokens: list[int], final: bool) -> None:
-        text = req.detokenizer.take(final=final or req.is_finished)
-        if not (final or new_tokens or text):
+    # --- publishing -------------------------------------------------------------------
+
+    async def _idle(self) -> None:
+        """Nothing runs: send the KV changes still pending (frees of requests that ended) and
+        publish requests that ended meanwhile (e.g. aborted while waiting) at once, in a record
+        of the last step's number with no items."""
+        if self.ledger.has_changes:
+            self.ledger.apply(await self.kv.step(self.ledger.take()))
+        if not self._finished:
             return
-        req.outputs.put_nowait(RequestOutput(
-            request_id=req.request_id, text=text, token_ids=new_tokens, finished=final,
-            finish_reason=req.finish_reason if final else None, num_prompt_tokens=req.num_prompt_tokens,
-            num_generated_tokens=len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens,
-            error=req.error if final else None,
-        ))
-
-    async def _publish_idle(self) -> None:
-        """Requests that ended while no step ran (aborted while waiting or while the engine was
-        idle) are published at once, in a record of the last step's number with no items."""
-        figures = await self.kv.sync()
-        self.snapshot = self._snapshot(figures)
+        self.snapshot = self._snapshot()
         self.publish(StepRecord(
             step=self.step, start_time=time.time(), duration_s=0.0, forward_s=0.0, policy=self.policy.name,
             token_budget=self.policy.token_budget, items=[], num_prefill_tokens=0, num_decode_tokens=0,
             num_padding_tokens=0, num_cached_tokens=0, num_waiting=len(self.waiting), num_running=len(self.running),
-            kv_usage=figures.usage, num_preemptions=self.num_preemptions, finished=self._finished,
+            kv_usage=self.ledger.usage, num_preemptions=self.num_preemptions, finished=self._finished,
         ))
         self._finished = []
 
-    async def _publish(self, plan: StepPlan, result: StepResult) -> None:
-        figures = await self.kv.sync()
+    def _publish(self, plan: StepPlan, result: StepResult, latencies: tuple[list[float], list[float]]) -> None:
         kinds = {"prefill": 0, "decode": 0, "padding": 0}
         items = []
         for it in plan.items:
@@ -363,20 +352,20 @@ class Scheduler:
             if it.num_padding:
                 kinds["padding"] += it.num_padding
                 items.append(StepItem(it.request_id, "padding", it.num_padding, it.start_pos + n))
-        self.snapshot = self._snapshot(figures)
+        self.snapshot = self._snapshot()
         self.publish(StepRecord(
             step=plan.step, start_time=result.start_time, duration_s=result.duration_s, forward_s=result.forward_s,
             policy=self.policy.name,
             token_budget=plan.token_budget, items=items, num_prefill_tokens=kinds["prefill"],
             num_decode_tokens=kinds["decode"], num_padding_tokens=kinds["padding"],
             num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),
-            kv_usage=figures.usage, num_preemptions=self.num_preemptions, ttft_s=self._latencies[0],
-            itl_s=self._latencies[1], finished=self._finished, error=result.error,
+            kv_usage=self.ledger.usage, num_preemptions=self.num_preemptions, ttft_s=latencies[0],
+            itl_s=latencies[1], finished=self._finished, error=result.error,
         ))
-        self._latencies, self._finished = ([], []), []
+        self._finished = []
 
-    def _snapshot(self, figures=None) -> EngineSnapshot:
-        figures = figures or self.kv.figures
+    def _snapshot(self) -> EngineSnapshot:
+        figures = self.kv.figures
 
         def snap(r: Request) -> RequestSnapshot:
             return RequestSnapshot(
@@ -387,7 +376,7 @@ class Scheduler:
 
         return EngineSnapshot(
             policy=self.policy.name, step=self.step, running=[snap(r) for r in self.running],
-            waiting=[snap(r) for r in self.waiting], kv_usage=figures.usage, num_blocks=figures.num_blocks,
-            num_free_blocks=figures.num_free_blocks, num_preemptions=self.num_preemptions,
+            waiting=[snap(r) for r in self.waiting], kv_usage=self.ledger.usage, num_blocks=figures.num_blocks,
+            num_free_blocks=self.ledger.num_free_blocks, num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=figures.hit_rate,
         )

@@ -11,7 +11,8 @@ decode-only steps and splits each step's cycle (from one step's start to the nex
 - scheduler + loop: everything between two executor steps, on the event loop: planning,
   block manager messages, updating requests, detokenizing, handing out outputs, publishing
   the record (cycle - duration_s).
-Overhead = 1 - forward / cycle. `--cprofile` adds the event loop thread's hottest functions
+Overhead = 1 - forward / cycle. Also counts the scheduler's messages to the KV block manager
+per measured step (the design sends exactly one). `--cprofile` adds the event loop thread's hottest functions
 over the measured window. Also prints the process's peak RSS (VmHWM). Not a test: numbers
 vary with the machine and with whatever else runs on it.
 """
@@ -62,6 +63,15 @@ async def main(running: int, steps: int, profile: bool) -> None:
                         done.set()
                         return
 
+        kv_messages: list[int] = []  # block manager messages handled, read at each measured record
+
+        async def count_messages() -> None:
+            await measuring.wait()
+            start = engine.block_manager.num_messages
+            await done.wait()
+            kv_messages.append(engine.block_manager.num_messages - start)
+
+        counter = asyncio.create_task(count_messages())
         watcher = asyncio.create_task(watch())
         await asyncio.sleep(0)
         params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
@@ -74,7 +84,7 @@ async def main(running: int, steps: int, profile: bool) -> None:
 
         consumers = [asyncio.create_task(consume(p)) for p in prompts]
         await done.wait()
-        await asyncio.gather(*consumers, watcher)
+        await asyncio.gather(*consumers, watcher, counter)
 
     cycles = [b.start_time - a.start_time for a, b in zip(records, records[1:])]
     rows = records[:-1]
@@ -89,6 +99,9 @@ async def main(running: int, steps: int, profile: bool) -> None:
                          ("scheduler + event loop", outside), ("cycle", cycles)):
         print(f"| {name} | {statistics.mean(values) * 1e3:.1f} | {statistics.mean(values) / mean_cycle:.1%} |")
     print(f"\noverhead (1 - forward / cycle): {1 - sum(forward) / sum(cycles):.1%}")
+    # steps after the first measuring record, up to the one that set `done`: len(records) steps
+    print(f"KV block manager messages per step: {kv_messages[0] / len(records):.2f} "
+          f"({kv_messages[0]} messages over {len(records)} steps)")
     print(f"peak RSS (VmHWM): {peak_rss_mib():.0f} MiB")
     if profile:
         out = io.StringIO()

@@ -1,20 +1,20 @@
-"""Batching policies: each turns the scheduler's queues into the next step's decisions."""
+"""Batching policies: each turns the queues into the next step's decisions. A policy is one
+module here that registers its class with @register; the config's choices come from that."""
 
-from engine.policies.base import Decision, Idle, Policy
-from engine.policies.chunked import ChunkedPolicy
-from engine.policies.continuous import ContinuousPolicy
-from engine.policies.static import StaticPolicy
+import importlib
+import pkgutil
+
+from engine.policies.base import POLICIES, Decision, Idle, Policy
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def make_policy(name: str, config) -> Policy:
-    match name:
-        case "static":
-            return StaticPolicy(config)
-        case "continuous":
-            return ContinuousPolicy(config)
-        case "chunked":
-            return ChunkedPolicy(config)
-    raise ValueError(f"unknown policy {name!r}")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[name](config)
 
 
-__all__ = ["Decision", "Idle", "Policy", "make_policy"]
+__all__ = ["POLICIES", "Decision", "Idle", "Policy", "make_policy"]

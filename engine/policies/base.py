@@ -1,4 +1,5 @@
-"""What a policy returns to the scheduler, and the interface every policy implements."""
+"""What a policy returns to the scheduler, the interface every policy implements, the
+registry that names them, and the admission loop they share."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from engine.plan_view import PlanView
     from engine.request import Request
-    from engine.scheduler import Scheduler
 
 
 @dataclass
@@ -31,13 +32,14 @@ class Idle:
 
 class Policy(Protocol):
     name: str
-    token_budget: int
+    token_budget: int  # 0 = no per-step token budget
     uses_prefix_cache: bool
 
-    async def schedule(self, s: Scheduler) -> list[Decision] | Idle:
+    def schedule(self, view: PlanView) -> list[Decision] | Idle:
+        """Plan the next step: decisions over the view's queues, KV room asked of the view."""
         ...
 
-    def hold_finished(self, request: Request) -> bool:
+    def holds_finished(self, request: Request) -> bool:
         """True: keep a finished request (and its blocks) until the policy releases it."""
         ...
 
@@ -45,6 +47,58 @@ class Policy(Protocol):
         """The request left (aborted, failed or preempted): drop any reference to it."""
         ...
 
-    def end_step(self, s: Scheduler) -> None:
+    def end_step(self, view: PlanView) -> None:
         """After a step's results are applied (e.g. static releases a batch that is done)."""
         ...
+
+
+class BasePolicy:
+    """Defaults for the hooks most policies do not need."""
+
+    token_budget = 0
+    uses_prefix_cache = True
+
+    def holds_finished(self, request: Request) -> bool:
+        return False
+
+    def forget(self, request: Request) -> None:
+        pass
+
+    def end_step(self, view: PlanView) -> None:
+        pass
+
+
+POLICIES: dict[str, type] = {}  # name -> class; filled by @register as engine.policies loads
+
+
+def register(cls: type) -> type:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def admit_waiting(
+    view: PlanView, decisions: list[Decision], max_num_seqs: int, *, budget: int | None = None,
+    chunk_size: int | None = None,
+) -> int:
+    """Admit waiting requests in order while there is room. Each starts with as many of its
+    tokens as `chunk_size` and the remaining `budget` allow (None: no limit; then it is all or
+    nothing: a whole prompt or not yet). Stops at the first that does not fit, and after a
+    preemption this step (room just made goes to running requests, not newcomers). Returns
+    the number of tokens admitted."""
+    total = 0
+    while view.waiting and view.num_running < max_num_seqs and not view.preempted:
+        req = view.waiting[0]
+        n = req.num_tokens
+        if chunk_size is not None:
+            n = min(n, chunk_size)
+        if budget is not None:
+            n = min(n, budget - total)
+        if n <= 0:
+            break
+        whole = chunk_size is None and budget is None
+        got = view.admit(req, n, n if whole else 1)
+        if got == 0:
+            break
+        decisions.append(Decision(req, got))
+        total += got
+    return total

@@ -12,62 +12,55 @@ its whole context. Their KV is never stored and nothing is sampled from them.
 
 from __future__ import annotations
 
-import time
-
-from engine.policies.base import Decision, Idle
+from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
 
 
-class StaticPolicy:
+@register
+class StaticPolicy(BasePolicy):
     name = "static"
     uses_prefix_cache = False
 
     def __init__(self, config):
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.timeout_s = config.scheduler.batch_timeout_ms / 1000
-        self.token_budget = 0
         self.batch: list = []
 
-    async def schedule(self, s) -> list[Decision] | Idle:
+    def schedule(self, view) -> list[Decision] | Idle:
         if not self.batch:
-            return await self._start_batch(s)
+            return self._start_batch(view)
         decisions: list[Decision] = []
         for req in list(self.batch):
             if req.is_finished:
                 decisions.append(Decision(req, 0, num_padding=1))
-            elif s.is_running(req) and await s.reserve(req, 1, decisions):
+            elif view.is_running(req) and view.grow(req, 1, decisions):
                 decisions.append(Decision(req, req.num_tokens - req.num_computed_tokens))
         return decisions or Idle()
 
-    async def _start_batch(self, s) -> list[Decision] | Idle:
-        if not s.waiting:
+    def _start_batch(self, view) -> list[Decision] | Idle:
+        if not view.waiting:
             return Idle()
-        waited = time.monotonic() - s.waiting[0].arrival_time
-        if len(s.waiting) < self.max_num_seqs and waited < self.timeout_s:
+        waited = view.now() - view.waiting[0].arrival_time
+        if len(view.waiting) < self.max_num_seqs and waited < self.timeout_s:
             return Idle(self.timeout_s - waited)
         decisions: list[Decision] = []
-        while s.waiting and len(decisions) < self.max_num_seqs:
-            req = s.waiting[0]
-            n = await s.admit(req, req.num_tokens)
-            if n == 0:
-                break
-            decisions.append(Decision(req, n))
-            self.batch.append(req)
+        admit_waiting(view, decisions, self.max_num_seqs)
+        self.batch = [d.request for d in decisions]
         longest = max((d.num_tokens for d in decisions), default=0)
         for d in decisions:
             d.num_padding = longest - d.num_tokens
         return decisions or Idle()
 
-    def hold_finished(self, request) -> bool:
+    def holds_finished(self, request) -> bool:
         return request in self.batch
 
     def forget(self, request) -> None:
         if request in self.batch:
             self.batch.remove(request)
 
-    def end_step(self, s) -> None:
+    def end_step(self, view) -> None:
         """The batch ends with the step its last request finished in: all final outputs and
         their finish records go out with that step, not with the next batch's first."""
         if self.batch and all(r.is_finished for r in self.batch):
             for req in self.batch:
-                s.release(req)
+                view.release(req)
             self.batch = []

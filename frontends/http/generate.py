@@ -4,8 +4,8 @@ one JSON body or as SSE chunks. The endpoint supplies a `Renderer` for its objec
 Leaving early always aborts the engine request at once: the handler runs with aiohttp's
 handler cancellation, so a client that disconnects (mid-stream, or during prefill before
 anything was written) cancels it; the cancellation lands in `engine.stream`, whose cleanup
-aborts the request. A cancellation during `submit` aborts by id (the scheduler drops a
-request whose abort arrived first).
+aborts the request. A cancellation during `submit` aborts the request as soon as intake
+accepts it (`Engine.submit`).
 
 Headers go out with the first output (the first token). This keeps submit and the first
 iteration of `engine.stream` back to back with no await in between, so there is no moment

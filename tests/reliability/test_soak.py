@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.block_manager import Admit, KVStep
+
 from tests.reliability.util import assert_no_leaks, live_registry, live_server, load_soak, tiny_config
 
 soak = load_soak()
@@ -34,7 +36,8 @@ async def test_the_leak_checks_catch_leaks(tiny_model):
         never = asyncio.Event()
         stray = asyncio.create_task(never.wait(), name="stray-task")
         engine._live["ghost"] = object()
-        assert await engine.scheduler.kv.allocate("ghost", 40) is not None  # 3 blocks, never freed
+        grant = await engine.scheduler.kv.step(KVStep([], [], [], [Admit("ghost", [5] * 40, False, 40, 40)]))
+        assert grant.admitted["ghost"].num_new_tokens == 40  # 3 blocks, never freed
         registry = live_registry(frontend)
         registry._live[stray] = "ghost"
         report = soak.Report()
@@ -46,5 +49,5 @@ async def test_the_leak_checks_catch_leaks(tiny_model):
         registry._live.pop(stray)
         stray.cancel()
         engine._live.pop("ghost")
-        engine.scheduler.kv.free("ghost")
+        await engine.scheduler.kv.step(KVStep([], ["ghost"], [], []))
         await assert_no_leaks(engine, frontend)
