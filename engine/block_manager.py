@@ -5,6 +5,8 @@ commits of newly computed blocks, frees of requests that left, growths of runnin
 and admissions of new ones — and gets one `KVGrant` back: the block tables, what each
 admission got (prefix-cache hits found here), the growths refused, and the pool's figures.
 Order inside a step: commits, frees, growths (most important request first), admissions.
+Once a growth is refused, no later growth takes a new block and no admission is granted: the
+blocks there are go to the more important requests.
 
 Tables in a grant are the pool's own lists, not copies: the scheduler and the executor read
 them only until the scheduler's next message, and the pool changes a table only while it
@@ -109,6 +111,9 @@ class BlockManager:
             else:
                 tables[request_id] = pool.tables[request_id]
         for a in step.admits:
+            if dry:  # a running request is short of blocks: no newcomer takes any
+                admitted[a.request_id] = Admitted(0, 0)
+                continue
             cached, new = pool.admit(a.request_id, a.token_ids if a.lookup else None, len(a.token_ids),
                                      a.max_new_tokens, a.min_new_tokens)
             admitted[a.request_id] = Admitted(cached, new)

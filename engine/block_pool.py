@@ -102,7 +102,7 @@ class BlockPool:
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         room = self.num_free_blocks - revived  # fresh blocks we may take
         n = min(max_new, total - cached, (len(hits) + room) * self.block_size - cached)
-        if n < max(min_new, 1):
+        if n < max(min(min_new, total - cached), 1):  # all-or-nothing counts what is left after the hits
             return 0, 0
         alloc = self._allocate(request_id, cached + n, hits, len(token_ids) if token_ids is not None else 0)
         assert alloc is not None
