@@ -57,6 +57,9 @@ class SchedulerConfig:
     batch_timeout_ms: int = 50
     max_waiting: int = 1024
     priority_aging_s: float = 0.0
+    max_step_ms: int = 0
+    min_chunk: int = 32
+    calibrate_step_cost: bool = True
 
     def validate(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
@@ -66,6 +69,8 @@ class SchedulerConfig:
         _require(self.batch_timeout_ms >= 0, "batch_timeout_ms", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", "must be >= 1")
         _require(self.priority_aging_s >= 0, "priority_aging_s", "must be >= 0 (0 = strict priority)")
+        _require(self.max_step_ms >= 0, "max_step_ms", "must be >= 0 (0 = token budget only)")
+        _require(self.min_chunk >= 1, "min_chunk", "must be >= 1")
 
 
 @dataclass(frozen=True)

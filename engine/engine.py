@@ -35,6 +35,8 @@ from engine.output_buffer import OutputBuffer
 from engine.policies import make_policy
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_cost import CostFigures
+from engine.step_cost_calibration import calibrate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STEP_SUBSCRIBER_BUFFER = 2048
@@ -100,6 +102,8 @@ class Engine:
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed,
         )
+        if cfg.scheduler.calibrate_step_cost:
+            await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks)
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:
             task = asyncio.create_task(actor.run(), name=f"stepwise-{name}")
@@ -254,6 +258,10 @@ class Engine:
                 yield record
         finally:
             self._subscribers.discard(q)
+
+    def step_cost(self) -> CostFigures:
+        """The step-cost model: coefficients, fit quality, last predicted vs actual step."""
+        return self.scheduler.cost.figures()
 
     def snapshot(self) -> EngineSnapshot:
         """Queues as of the scheduler's last turn; KV figures as of now."""

@@ -68,6 +68,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: list[float] = []  # gaps since the previous token, for requests that decoded this step
     finished: list[FinishedRequest] = []  # requests that left since the previous record
     error: str | None = None
+    predicted_s: float | None = None  # the step-cost model's forward time for this step, before it ran
 
     @property
     def is_idle(self) -> bool:
@@ -120,6 +121,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     items: list[PlanItem]
     token_budget: int
     num_cached_tokens: int = 0
+    predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.policies.base import Decision
+    from engine.step_cost import StepShape
     from engine.request import Request
     from engine.scheduler import Scheduler
 
@@ -35,6 +36,15 @@ class PlanView:
 
     def now(self) -> float:
         return self._s.clock()
+
+    @property
+    def can_predict(self) -> bool:
+        """The step-cost model has been fitted (calibration or real steps)."""
+        return self._s.cost.is_fitted
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted forward seconds of a step of this shape."""
+        return self._s.cost.predict(shape)
 
     def running_in_order(self) -> list[Request]:
         return sorted(self._s.running, key=lambda r: r.sort_key)

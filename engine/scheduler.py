@@ -15,6 +15,8 @@ import bisect
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from engine.block_manager import BlockManagerClient, KVGrant
 from engine.kv_ledger import KVLedger
 from engine.messages import (
@@ -25,6 +27,7 @@ from engine.output_processor import OutputProcessor, emit
 from engine.plan_view import PlanView
 from engine.policies import Decision, Idle, Policy
 from engine.request import Request, Status
+from engine.step_cost import StepCostModel, StepShape, shape_of
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 KV_BLOCKED_RETRY_S = 0.05  # nothing fits the pool now: wait this long for a free or an abort
@@ -51,6 +54,7 @@ class Scheduler:
         self.priority_aging_s = priority_aging_s
         self.clock = clock  # what "now" is for aging (tests pass a fake one)
         self.outputs = OutputProcessor(clock)
+        self.cost = StepCostModel()  # fitted from every step's forward time
         self.view = PlanView(self)
         self.inbox: asyncio.Queue[SchedulerMsg] = asyncio.Queue()
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -94,7 +98,10 @@ class Scheduler:
                 await self._idle()
                 continue
             plan = self._make_plan(decisions)
+            shape = plan_shape(plan)
             result = await self.execute(plan)
+            if result.error is None:
+                self.cost.observe(shape, result.forward_s, plan.predicted_s)
             stats = self._update(decisions, result)
             self.policy.end_step(self.view)  # e.g. static: a batch whose requests all finished leaves now
             self._publish(plan, result, stats)
@@ -293,7 +300,10 @@ class Scheduler:
                 temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
-        return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
+        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
+        if self.cost.is_fitted:
+            plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(plan_shape(plan)))
+        return plan
 
     def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
         if result.error is not None:
@@ -360,7 +370,7 @@ class Scheduler:
             num_decode_tokens=kinds["decode"], num_padding_tokens=kinds["padding"],
             num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),
             kv_usage=self.ledger.usage, num_preemptions=self.num_preemptions, ttft_s=latencies[0],
-            itl_s=latencies[1], finished=self._finished, error=result.error,
+            itl_s=latencies[1], finished=self._finished, error=result.error, predicted_s=plan.predicted_s,
         ))
         self._finished = []
 
@@ -380,3 +390,8 @@ class Scheduler:
             num_free_blocks=self.ledger.num_free_blocks, num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=figures.hit_rate,
         )
+
+
+def plan_shape(plan: StepPlan) -> StepShape:
+    """What the cost model sees of a plan (pad tokens are computed too: they count)."""
+    return shape_of((len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items)

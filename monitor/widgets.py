@@ -134,6 +134,8 @@ class StepPanel(Widget):
         head.append(f"   {fmt_seconds(r.duration_s)}   policy ", style=DIM)
         head.append(r.policy)
         head.append(f"   {len(r.items)} requests", style=DIM)
+        if r.predicted_s is not None:  # the step-cost model's forecast, made before the step ran
+            head.append(f"   forward {fmt_seconds(r.forward_s)} (predicted {fmt_seconds(r.predicted_s)})", style=DIM)
         lines.append(head)
 
         total = r.num_prefill_tokens + r.num_decode_tokens + r.num_padding_tokens

@@ -193,7 +193,11 @@ def _ratios(results: dict[str, dict], peer_names: list[str]) -> dict:
             "steady_itl_max": _ratio(k.get("steady_itl_ms_max"), c.get("steady_itl_ms_max")),
             "steady_itl_p99": _ratio(k.get("steady_itl_ms_p99"), c.get("steady_itl_ms_p99")),
             "long_ttft": _ratio(k.get("long_ttft_ms_max"), c.get("long_ttft_ms_max")),
+            "output_tok_s": _ratio(k.get("output_tokens_per_s"), c.get("output_tokens_per_s")),
         }
+        for key in ("long1_ttft_ms", "long2_ttft_ms"):  # spike-overlap
+            if key in k:
+                out["chunked_over_continuous"][key.removesuffix("_ms")] = _ratio(k.get(key), c.get(key))
     if peer_names:  # output tokens/s of each engine target over each peer's
         out["throughput_over_peers"] = {
             name: {p: _ratio(r["output_tokens_per_s"], results[p]["output_tokens_per_s"]) for p in peer_names}

@@ -11,7 +11,7 @@ from engine.messages import StepRecord
 def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord] | None, slo_ttft_ms, slo_itl_ms) -> dict:
     out = summarize(timings, duration, _s(slo_ttft_ms), _s(slo_itl_ms))
     steady = [t for t in timings if t.tag == "steady" and t.ok]
-    long = [t for t in timings if t.tag == "long" and t.ok]
+    long = [t for t in timings if t.tag.startswith("long") and t.ok]
     if steady:
         gaps = [x for t in steady for x in t.itls]
         out["steady_itl_ms_p50"] = percentile(gaps, 50) * 1000
@@ -21,6 +21,9 @@ def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord
         ttfts = [t.ttft for t in long if t.ttft is not None]
         out["long_ttft_ms_p50"] = percentile(ttfts, 50) * 1000
         out["long_ttft_ms_max"] = max(ttfts, default=float("nan")) * 1000
+        for t in long:
+            if t.tag != "long" and t.ttft is not None:  # spike-overlap: long-1, long-2
+                out[f"{t.tag.replace('-', '')}_ttft_ms"] = t.ttft * 1000
     if steps is not None:
         padding = sum(s.num_padding_tokens for s in steps)
         total = sum(s.num_prefill_tokens + s.num_decode_tokens + s.num_padding_tokens for s in steps)
@@ -31,6 +34,10 @@ def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord
         out["preemptions"] = steps[-1].num_preemptions if steps else 0
         out["prefix_cache_hit_rate"] = cached / (cached + prefilled) if cached + prefilled else 0.0
         out["tokens_processed"] = total
+        errors = sorted(abs(s.predicted_s - s.forward_s) / s.forward_s for s in steps
+                        if s.predicted_s is not None and s.forward_s > 0)
+        if errors:  # the step-cost model: median |predicted - actual| / actual
+            out["step_time_error_p50"] = errors[len(errors) // 2]
     return out
 
 
@@ -47,7 +54,8 @@ COLUMNS = [
     ("padding_waste_pct", "pad %", "{:.1f}"), ("preemptions", "preempt", "{}"),
     ("prefix_cache_hit_rate", "prefix hit", "{:.2f}"), ("steady_itl_ms_p99", "steady ITL p99", "{:.0f}"),
     ("steady_itl_ms_max", "steady ITL max", "{:.0f}"), ("long_ttft_ms_max", "long TTFT", "{:.0f}"),
-    ("limit_fraction", "of limit", "{:.0%}"),
+    ("long1_ttft_ms", "long-1 TTFT", "{:.0f}"), ("long2_ttft_ms", "long-2 TTFT", "{:.0f}"),
+    ("step_time_error_p50", "step err p50", "{:.1%}"), ("limit_fraction", "of limit", "{:.0%}"),
 ]
 
 

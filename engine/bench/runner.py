@@ -38,6 +38,8 @@ async def _paced(requests: list[BenchRequest], one: Callable, on_done: Callable[
         # a gate that can no longer open (every ungated request is done) opens anyway
         while r.after_tokens and ungated_left and sum(t.num_output_tokens for t in started) < r.after_tokens:
             await asyncio.sleep(GATE_POLL_S)
+        if r.after_gate_s:
+            await asyncio.sleep(r.after_gate_s)
         timing = RequestTiming(tag=r.tag, arrival=time.perf_counter(), num_prompt_tokens=len(r.prompt_token_ids))
         started.append(timing)
         try:

@@ -7,6 +7,9 @@
   count, not a clock time, so each lands mid-stream on any hardware). Separate arrivals on
   streams of 128 tokens: a stall must hit more than 1 % of the streams' gaps to show in their
   P99 (two arrivals x 12 streams = 24 of 1,524 gaps).
+- spike-overlap: the hard case for chunked prefill: 12 streams, and two 2,000-token prompts
+  both in flight at once — the first once the streams have received a quarter of their tokens,
+  the second 0.5 s later. Each long prompt's TTFT shows whether a second prompt slows the first.
 - sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
   traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
 """
@@ -24,6 +27,7 @@ class BenchRequest:
     arrival_s: float  # offset from the start of the run
     tag: str = ""  # "long"/"short" in mixed; "long" for the spike's long prompts, "steady" for its streams
     after_tokens: int = 0  # also wait until the run has received this many output tokens in all
+    after_gate_s: float = 0.0  # and then this many seconds more
 
 
 def _prompt(rng: random.Random, n: int, vocab: range) -> list[int]:
@@ -57,6 +61,18 @@ def spike(
     return out
 
 
+def spike_overlap(
+    seed: int = 0, num_streams: int = 12, long_len: int = 2000, stream_tokens: int = 128, gap_s: float = 0.5,
+    vocab: range = range(100, 20000),
+) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out = [BenchRequest(_prompt(rng, rng.randint(16, 48), vocab), stream_tokens, 0.0, "steady") for _ in range(num_streams)]
+    gate = num_streams * stream_tokens // 4
+    for k in range(2):
+        out.append(BenchRequest(_prompt(rng, long_len, vocab), 16, 0.0, f"long-{k + 1}", gate, k * gap_s))
+    return out
+
+
 def sharegpt_like(seed: int = 0, num_requests: int = 64, rate: float = 0.0, vocab: range = range(100, 20000)) -> list[BenchRequest]:
     rng = random.Random(seed)
     out, t = [], 0.0
@@ -69,7 +85,7 @@ def sharegpt_like(seed: int = 0, num_requests: int = 64, rate: float = 0.0, voca
     return out
 
 
-WORKLOADS = {"mixed": mixed, "spike": spike, "sharegpt-like": sharegpt_like}
+WORKLOADS = {"mixed": mixed, "spike": spike, "spike-overlap": spike_overlap, "sharegpt-like": sharegpt_like}
 
 
 def make(
@@ -79,8 +95,8 @@ def make(
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     # skip the lowest ids (specials and control bytes in most vocabularies)
     vocab = range(min(100, vocab_size // 2), min(20000, vocab_size))
-    if name == "spike":  # arrivals are set by the spike itself: `rate` does not apply
-        return spike(seed, num_streams=max(1, num_requests - 2) if num_requests else 12, vocab=vocab)
+    if name in ("spike", "spike-overlap"):  # arrivals are set by the spike itself: `rate` does not apply
+        return WORKLOADS[name](seed, num_streams=max(1, num_requests - 2) if num_requests else 12, vocab=vocab)
     kwargs = {"seed": seed, "rate": rate, "vocab": vocab}
     if num_requests:
         kwargs["num_requests"] = num_requests

@@ -3,6 +3,7 @@ registry that names them, and the admission loop they share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -78,13 +79,14 @@ def register(cls: type) -> type:
 
 def admit_waiting(
     view: PlanView, decisions: list[Decision], max_num_seqs: int, *, budget: int | None = None,
-    chunk_size: int | None = None,
+    chunk_size: int | None = None, size: Callable[[Request, int], int] | None = None,
 ) -> int:
     """Admit waiting requests in order while there is room. Each starts with as many of its
     tokens as `chunk_size` and the remaining `budget` allow (None: no limit; then it is all or
-    nothing: a whole prompt or not yet). Stops at the first that does not fit, and after a
-    preemption this step (room just made goes to running requests, not newcomers). Returns
-    the number of tokens admitted."""
+    nothing: a whole prompt or not yet); `size(req, n)` may lower that further (e.g. to what a
+    step-time budget allows). Stops at the first that does not fit, and after a preemption
+    this step (room just made goes to running requests, not newcomers). Returns the number of
+    tokens admitted."""
     total = 0
     while view.waiting and view.num_running < max_num_seqs and not view.preempted:
         req = view.waiting[0]
@@ -93,6 +95,8 @@ def admit_waiting(
             n = min(n, chunk_size)
         if budget is not None:
             n = min(n, budget - total)
+        if size is not None and n > 0:
+            n = size(req, n)
         if n <= 0:
             break
         whole = chunk_size is None and budget is None

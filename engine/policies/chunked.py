@@ -1,10 +1,21 @@
-"""Chunked prefill under a per-step token budget: running decodes first (one token each),
-then partial prefills continue, then new requests start, each prompt piece at most
-`chunk_size` tokens — all packed into the same forward step."""
+"""Chunked prefill under a per-step budget: running decodes first (one token each, never
+skipped for a prefill), then partial prefills continue, then new requests start — all packed
+into the same forward step.
+
+Two budgets, both honoured:
+- tokens: `max_num_batched_tokens` per step (a hard cap), and `chunk_size` per prompt piece;
+- time (`max_step_ms` > 0, once the step-cost model is fitted): prefill tokens are added while
+  the predicted step time stays within it. Prefills are then first-come-first-served: the
+  oldest (priority, then arrival) takes all it can before the next gets any, so a second long
+  prompt never slows the first one down, and `chunk_size` no longer splits the share. Every
+  step still gives at least `min_chunk` tokens to a prefill, so prompts cannot starve when the
+  decodes alone fill the budget.
+"""
 
 from __future__ import annotations
 
 from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
+from engine.step_cost import StepShape
 
 
 @register
@@ -12,9 +23,12 @@ class ChunkedPolicy(BasePolicy):
     name = "chunked"
 
     def __init__(self, config):
-        self.max_num_seqs = config.scheduler.max_num_seqs
-        self.token_budget = config.scheduler.max_num_batched_tokens
-        self.chunk_size = config.scheduler.chunk_size
+        s = config.scheduler
+        self.max_num_seqs = s.max_num_seqs
+        self.token_budget = s.max_num_batched_tokens
+        self.chunk_size = s.chunk_size
+        self.max_step_s = s.max_step_ms / 1000
+        self.min_chunk = s.min_chunk
 
     def schedule(self, view) -> list[Decision] | Idle:
         decisions: list[Decision] = []
@@ -22,12 +36,48 @@ class ChunkedPolicy(BasePolicy):
         running = view.running_in_order()
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        shape = StepShape()
+        for req in decodes:
             if budget == 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, self.chunk_size, budget)
+            if view.is_running(req) and view.grow(req, 1, decisions):
+                decisions.append(Decision(req, 1))
+                budget -= 1
+                shape = shape.plus(1, req.num_computed_tokens, decode=True)
+        timed = self.max_step_s > 0 and view.can_predict
+        chunks = 0  # prefill pieces given this step
+
+        def size(req, cap: int) -> int:
+            """Tokens of `req`'s prompt for this step: all `cap` unless the time budget says less."""
+            if not timed:
+                return min(cap, self.chunk_size)
+            ctx = req.num_computed_tokens
+            fits = lambda n: view.predict(shape.plus(n, ctx, decode=False)) <= self.max_step_s  # noqa: E731
+            lo, hi = 0, cap  # the largest n with fits(n): predictions grow with n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            return lo if lo >= self.min_chunk or chunks else min(cap, self.min_chunk)
+
+        for req in prefills:
+            if budget == 0:
+                break
+            n = size(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:
+                break
             if view.is_running(req) and view.grow(req, n, decisions):
                 decisions.append(Decision(req, n))
                 budget -= n
-        admit_waiting(view, decisions, self.max_num_seqs, budget=budget, chunk_size=self.chunk_size)
+                shape = shape.plus(n, req.num_computed_tokens, decode=False)
+                chunks += 1
+        if budget > 0:
+            def admit_size(req, cap: int) -> int:
+                nonlocal chunks, shape
+                n = size(req, cap)
+                if n:  # counted as if granted; the block manager may grant fewer, never more
+                    shape = shape.plus(n, 0, decode=False)
+                    chunks += 1
+                return n
+
+            admit_waiting(view, decisions, self.max_num_seqs, budget=budget, size=admit_size)
         return decisions or Idle()

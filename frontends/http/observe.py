@@ -43,6 +43,7 @@ async def engine_state(request: web.Request) -> web.Response:
         "dead": engine.dead,
         "max_model_len": getattr(engine, "max_model_len", None),
         "snapshot": engine.snapshot() if engine.ready else None,
+        "step_cost": engine.step_cost() if engine.ready else None,
         "config": config,
     })
 

@@ -98,3 +98,13 @@ def test_unknown_workload():
 def test_output_limit_is_the_prefill_rate_times_the_output_share():
     reqs = [workload.BenchRequest([1] * 300, 100, 0.0), workload.BenchRequest([1] * 500, 100, 0.0)]
     assert output_limit(500.0, reqs) == pytest.approx(500.0 * 200 / 1000)
+
+
+def test_spike_overlap_shape():
+    reqs = workload.make("spike-overlap")
+    steady = [r for r in reqs if r.tag == "steady"]
+    long = [r for r in reqs if r.tag.startswith("long")]
+    assert len(steady) == 12 and [r.tag for r in long] == ["long-1", "long-2"]
+    assert all(len(r.prompt_token_ids) == 2000 for r in long)
+    assert long[0].after_tokens == long[1].after_tokens == 12 * 128 // 4  # both gated mid-stream
+    assert (long[0].after_gate_s, long[1].after_gate_s) == (0.0, 0.5)  # the second 0.5 s later

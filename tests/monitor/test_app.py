@@ -281,3 +281,15 @@ async def test_any_terminal_size_renders(size):
             app.query_one(StepStrip).zoom = zoom
             await pilot.pause()
             app.export_screenshot()
+
+
+async def test_the_step_panel_shows_predicted_against_actual_forward_time():
+    import msgspec
+
+    predicted = msgspec.structs.replace(MIXED, forward_s=0.25, predicted_s=0.2)
+    source = ScriptedSource([decodes(6), predicted], state(7))
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 2)
+        panel = plain(app.query_one(StepPanel))
+        assert "forward 250 ms (predicted 200 ms)" in panel, panel

@@ -33,3 +33,51 @@ def test_no_newcomer_after_a_preemption_and_idle_when_empty():
     assert [d.request for d in decisions] == [old]  # the newer decode was preempted for room
     assert view.waiting[0].request_id == "r2" and view.num_running == 1
     assert isinstance(plan(FakeView()), Idle)
+
+
+class TimedView(FakeView):
+    """Predicts with a known linear cost: 1 ms a token, 2 ms fixed (attention ignored)."""
+
+    can_predict = True
+
+    def predict(self, shape) -> float:
+        return 0.002 + 0.001 * (shape.prefill_tokens + shape.decode_tokens)
+
+
+def timed(view, max_step_ms=50, **cfg):
+    return make_policy("chunked", config(max_step_ms=max_step_ms, min_chunk=8, **cfg)).schedule(view)
+
+
+def test_the_time_budget_fills_the_step_oldest_prefill_first():
+    decoding = [request(i, 4, computed=5, outputs=2) for i in range(10)]
+    old, new = request(10, 500), request(11, 500)
+    view = TimedView(running=decoding, waiting=[old, new])
+    decisions = timed(view, max_num_batched_tokens=512, chunk_size=16)
+    got = {d.request.request_id: d.num_tokens for d in decisions}
+    assert all(got[f"r{i}"] == 1 for i in range(10))  # no decode is skipped
+    assert got["r10"] == 38 and "r11" not in got  # 2 + 10 + 38 = 50 ms: the oldest takes it all
+    assert view.predict(shape_of_decisions(decisions)) <= 0.050
+
+
+def test_min_chunk_when_decodes_fill_the_budget_and_the_token_cap_holds():
+    decoding = [request(i, 4, computed=5, outputs=2) for i in range(60)]
+    view = TimedView(running=decoding, waiting=[request(60, 500)])
+    decisions = timed(view, max_step_ms=50, max_num_batched_tokens=512)
+    assert sum(d.num_tokens for d in decisions if d.request.request_id == "r60") == 8  # min_chunk
+    assert len(decisions) == 61
+    view = TimedView(waiting=[request(0, 500)])
+    decisions = timed(view, max_step_ms=10_000, max_num_batched_tokens=100)
+    assert sum(d.num_tokens for d in decisions) == 100  # the token cap stays hard
+
+
+def test_without_a_fitted_model_the_token_budget_rules():
+    view = FakeView(waiting=[request(0, 500), request(1, 500)])
+    view.can_predict = False
+    decisions = timed(view, max_num_batched_tokens=64, chunk_size=16)
+    assert [d.num_tokens for d in decisions] == [16, 16]
+
+
+def shape_of_decisions(decisions):
+    from engine.step_cost import shape_of
+
+    return shape_of((d.num_tokens, d.request.num_computed_tokens, d.num_tokens == 1) for d in decisions)

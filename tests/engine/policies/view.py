@@ -15,12 +15,15 @@ def request(i: int, prompt_len: int, computed: int = 0, outputs: int = 0, priori
 
 
 def config(**scheduler) -> SimpleNamespace:
-    base = dict(max_num_seqs=64, max_num_batched_tokens=512, chunk_size=256, batch_timeout_ms=0)
+    base = dict(max_num_seqs=64, max_num_batched_tokens=512, chunk_size=256, batch_timeout_ms=0, max_step_ms=0,
+                min_chunk=32)
     return SimpleNamespace(scheduler=SimpleNamespace(**{**base, **scheduler}))
 
 
 class FakeView:
     """Room is counted in tokens (`capacity`); growing past it preempts the newest running."""
+
+    can_predict = False  # no step-cost model
 
     def __init__(self, running=(), waiting=(), capacity: int = 10**9, now: float = 0.0):
         self.running = list(running)

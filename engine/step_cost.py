@@ -1,0 +1,132 @@
+"""A step's forward time, predicted from its composition and fitted live from real steps.
+
+    t ≈ c0 + c1·prefill_tokens + c2·decode_tokens + c3·num_seqs + c4·attention_work
+
+where attention_work = Σ over items of new_tokens × (context_len + (new_tokens + 1) / 2): the
+query-key pairs the step computes (a chunk attends to the cached context and causally to
+itself). On a CPU each term is close to linear: GEMMs cost per token, attention per pair.
+
+The executor reports every step's forward time; the model keeps the last `window` of them
+and refits by non-negative least squares every `refit_every` steps (five unknowns: cheap),
+weighting each step by 1/time so that it fits relative errors: small decode steps and large
+prefill steps are predicted equally well.
+Coefficients are kept non-negative so that a prediction never falls when work is added, which
+the budgeted policy relies on when it grows a chunk until the budget is reached.
+It is pure Python + NumPy and knows nothing of the engine: the simulator uses it too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+
+NAMES = ("fixed", "prefill_token", "decode_token", "sequence", "attention_pair")
+
+
+class StepShape(msgspec.Struct, frozen=True, array_like=True):
+    """What a step computes, in the terms the cost model uses."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_seqs: int = 0
+    attention_work: float = 0.0
+
+    def features(self) -> list[float]:
+        return [1.0, self.prefill_tokens, self.decode_tokens, self.num_seqs, self.attention_work]
+
+    def plus(self, new_tokens: int, context_len: int, decode: bool) -> StepShape:
+        """This shape with one more item of `new_tokens` tokens after `context_len` cached ones."""
+        return StepShape(
+            self.prefill_tokens + (0 if decode else new_tokens), self.decode_tokens + (new_tokens if decode else 0),
+            self.num_seqs + 1, self.attention_work + attention_pairs(new_tokens, context_len),
+        )
+
+
+def attention_pairs(new_tokens: int, context_len: int) -> float:
+    return new_tokens * (context_len + (new_tokens + 1) / 2)
+
+
+def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
+    """items: (new tokens, context length, is a decode)."""
+    shape = StepShape()
+    for n, ctx, decode in items:
+        shape = shape.plus(n, ctx, decode)
+    return shape
+
+
+class CostFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """What /v1/engine/state shows of the model."""
+
+    coefficients: dict[str, float]  # seconds per unit of each term
+    r2: float | None
+    num_samples: int
+    last_predicted_s: float | None
+    last_actual_s: float | None
+
+
+class StepCostModel:
+    def __init__(self, window: int = 256, refit_every: int = 8):
+        self.window = window
+        self.refit_every = refit_every
+        self._x: deque[list[float]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self.coef = np.zeros(len(NAMES))
+        self.r2: float | None = None
+        self._since_fit = 0
+        self.last_predicted_s: float | None = None
+        self.last_actual_s: float | None = None
+
+    @property
+    def is_fitted(self) -> bool:
+        return self.r2 is not None
+
+    def predict(self, shape: StepShape) -> float:
+        return float(np.dot(self.coef, shape.features()))
+
+    def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
+        self._x.append(shape.features())
+        self._y.append(seconds)
+        self.last_predicted_s, self.last_actual_s = predicted, seconds
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or not self.is_fitted and len(self._y) >= len(NAMES):
+            self.fit()
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        if len(self._y) < 2:
+            return
+        x, y = np.asarray(self._x, dtype=np.float64), np.asarray(self._y, dtype=np.float64)
+        # relative errors: a 5 ms decode step matters as much as a 1 s prefill step
+        w = 1.0 / np.maximum(y, 1e-4)
+        self.coef = nonnegative_least_squares(x * w[:, None], y * w)
+        residual = y - x @ self.coef
+        total = float(((y - y.mean()) ** 2).sum())
+        self.r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
+
+    def figures(self) -> CostFigures:
+        return CostFigures(
+            coefficients=dict(zip(NAMES, map(float, self.coef))), r2=self.r2, num_samples=len(self._y),
+            last_predicted_s=self.last_predicted_s, last_actual_s=self.last_actual_s,
+        )
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ||x·c - y|| with c >= 0, by dropping the most negative coefficient and refitting
+    (an active-set loop; five columns, so at most five rounds). Columns are scaled first: the
+    terms differ by orders of magnitude (1 vs. millions of attention pairs)."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(xs[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef / scale

@@ -1,0 +1,68 @@
+"""The step-cost model recovers known costs from synthetic steps and stays non-negative."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from engine.step_cost import StepCostModel, StepShape, attention_pairs, nonnegative_least_squares, shape_of
+
+TRUE = np.array([0.004, 2e-4, 3e-4, 5e-4, 2e-8])  # fixed, per prefill token, per decode, per seq, per pair
+
+
+def random_step(rng: random.Random) -> StepShape:
+    items = [(1, rng.randint(10, 2000), True) for _ in range(rng.randint(0, 64))]
+    items += [(rng.randint(16, 512), rng.randint(0, 4000), False) for _ in range(rng.randint(0, 3))]
+    return shape_of(items or [(1, 1, True)])
+
+
+def test_recovers_known_coefficients():
+    rng = random.Random(0)
+    model = StepCostModel(window=256, refit_every=8)
+    for _ in range(200):
+        s = random_step(rng)
+        model.observe(s, float(np.dot(TRUE, s.features())))
+    np.testing.assert_allclose(model.coef, TRUE, rtol=1e-6)
+    assert model.r2 == pytest.approx(1.0)
+
+
+def test_predicts_noisy_steps_within_a_few_percent():
+    rng = random.Random(1)
+    model = StepCostModel(window=256, refit_every=8)
+    for _ in range(256):
+        s = random_step(rng)
+        model.observe(s, float(np.dot(TRUE, s.features())) * rng.uniform(0.97, 1.03))
+    assert model.r2 > 0.98
+    errors = []
+    for _ in range(100):
+        s = random_step(rng)
+        want = float(np.dot(TRUE, s.features()))
+        errors.append(abs(model.predict(s) - want) / want)
+    assert float(np.median(errors)) < 0.03
+
+
+def test_coefficients_never_go_negative():
+    x = np.array([[1, 1, 0], [1, 2, 0], [1, 3, 0], [1, 4, 1]], dtype=float)
+    y = np.array([4.0, 3.0, 2.0, 1.0])  # time falls with the second column: least squares says < 0
+    coef = nonnegative_least_squares(x, y)
+    assert (coef >= 0).all()
+
+
+def test_shapes():
+    assert attention_pairs(1, 99) == 100  # a decode attends to 99 cached keys and itself
+    assert attention_pairs(4, 0) == 10  # a fresh 4-token chunk: 1 + 2 + 3 + 4 causal pairs
+    s = StepShape().plus(1, 10, True).plus(32, 0, False)
+    assert (s.prefill_tokens, s.decode_tokens, s.num_seqs) == (32, 1, 2)
+
+
+def test_unfitted_predicts_zero_and_reports_figures():
+    model = StepCostModel()
+    assert model.predict(StepShape(10, 10, 2, 100.0)) == 0.0 and not model.is_fitted
+    for i in range(5):
+        model.observe(StepShape(10 * i, 1, 1, 10.0 * i), 0.01 + 0.001 * i, predicted=None)
+    assert model.is_fitted
+    f = model.figures()
+    assert f.num_samples == 5 and set(f.coefficients) == {"fixed", "prefill_token", "decode_token", "sequence",
+                                                          "attention_pair"}
