@@ -77,7 +77,7 @@ class Router:
         name = self.choose(hashes)
         if name is None:
             return None
-        self._turn = (self._turn + 1) % len(self.names)
+        self._turn = (self.names.index(name) + 1) % len(self.names)  # next time, start after it
         self.load[name] += 1
         if self.policy == "prefix":
             for h in hashes:
