@@ -60,6 +60,7 @@ class ClusterEngine:
         self._served_by: OrderedDict[str, str] = OrderedDict()
         self._stopped = asyncio.Event()
         self._health: asyncio.Task | None = None
+        self._health_changed = asyncio.Event()  # set (and replaced) when a replica comes back
 
     @property
     def ready(self) -> bool:
@@ -188,3 +189,10 @@ class ClusterEngine:
         if name not in self.router.healthy:
             print(f"[stepwise] {name} is healthy again", file=sys.stderr)
             self.router.mark_up(name)
+            self._health_changed.set()
+            self._health_changed = asyncio.Event()
+
+    async def wait_healthy(self, name: str) -> None:
+        """Until the router sends `name` requests again."""
+        while name not in self.router.healthy:
+            await self._health_changed.wait()
