@@ -98,3 +98,18 @@ def test_unknown_workload():
 def test_output_limit_is_the_prefill_rate_times_the_output_share():
     reqs = [workload.BenchRequest([1] * 300, 100, 0.0), workload.BenchRequest([1] * 500, 100, 0.0)]
     assert output_limit(500.0, reqs) == pytest.approx(500.0 * 200 / 1000)
+
+
+def test_shared_prefix_shape():
+    reqs = make("shared-prefix", seed=1, num_requests=200, rate=4.0)
+    groups: dict[str, list] = {}
+    for r in reqs:
+        groups.setdefault(r.tag, []).append(r.prompt_token_ids)
+    assert len(groups) == 8 and all(len(g) >= 10 for g in groups.values())  # 8 prefixes, all used
+    for prompts in groups.values():
+        assert all(p[:1000] == prompts[0][:1000] for p in prompts)  # one 1,000-token prefix per group
+        assert all(1016 <= len(p) <= 1064 for p in prompts)  # plus a 16-64 token user turn
+    heads = {tuple(g[0][:1000]) for g in groups.values()}
+    assert len(heads) == 8 and {r.max_tokens for r in reqs} == {32}
+    arrivals = [r.arrival_s for r in reqs]
+    assert all(0 < a < b for a, b in zip(arrivals, arrivals[1:]))
