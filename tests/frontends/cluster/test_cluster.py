@@ -24,6 +24,7 @@ from engine.model.tiny import tiny_tokenizer  # noqa: E402
 from frontends.cluster.app import REPLICA_HEADER, create_cluster_app  # noqa: E402
 from frontends.cluster.cluster_engine import ClusterEngine  # noqa: E402
 from frontends.cluster.launch import Replicas  # noqa: E402
+from monitor.http_source import HttpSource  # noqa: E402
 from tests.frontends.conftest import metric, serving, sse_events, tiny_config  # noqa: E402
 
 CONFIG = tiny_config(replicas=2, replica_cpus=0.5, ray_num_cpus=2, health_check_ms=200)
@@ -149,6 +150,11 @@ async def test_metrics_state_and_steps_per_replica(replicas):
         assert [r["name"] for r in state["replicas"]] == NAMES
         unknown = await client.get("/v1/engine/steps?replica=replica-9")
         assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "unknown_replica"
+        monitor = HttpSource(str(client.make_url("")), replica="replica-1")  # engine-monitor --url ... --replica
+        await monitor.connect()
+        seen = await monitor.state()
+        assert seen.replica == "replica-1" and [r.name for r in seen.replicas] == NAMES
+        await monitor.close()
 
 
 async def test_replica_killed_mid_stream_ends_its_stream_and_comes_back(replicas):
