@@ -45,8 +45,8 @@ async def serve_cluster(config: EngineConfig, stop: asyncio.Event, access_log: b
     frontend = HttpFrontend(access_log=access_log, app_factory=create_cluster_app)
     if not stop.is_set():
         await frontend.start(engine)
-        print(f"[stepwise] listening on {frontend.url}: {len(replicas.handles)} replicas of "
-              f"{config.server.served_model_name}", file=sys.stderr)
+        print(f"[stepwise] listening on {frontend.url} ({len(replicas.handles)} replicas of "
+              f"{config.server.served_model_name}, router {config.cluster.router})", file=sys.stderr)
         await stopping
     await frontend.stop()
     await engine.stop()
