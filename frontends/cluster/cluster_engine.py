@@ -49,6 +49,7 @@ class ClusterEngine:
         cluster = config.cluster
         self.config = config
         self.handles = handles  # replica name -> DeploymentHandle
+        self._streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_name = config.server.served_model_name
@@ -92,7 +93,7 @@ class ClusterEngine:
             name = self.router.route(hashes)
             if name is None:
                 break
-            outputs = self.handles[name].options(stream=True).generate.remote(ids, params, request_id)
+            outputs = self._streaming[name].generate.remote(ids, params, request_id)
             try:
                 verdict = await outputs.__anext__()
             except asyncio.CancelledError:
