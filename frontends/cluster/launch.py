@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import ray
 from ray import serve
-from ray.serve.api import RunTarget
+from ray.serve import RunTarget
 from ray.serve.handle import DeploymentHandle
 
 from engine import EngineConfig
