@@ -71,11 +71,11 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def serve(config: EngineConfig, access_log: bool = False) -> int:
-    stop = stop_on_signals()
     if config.cluster.replicas:
         from frontends.cluster.serve import serve_cluster  # needs the `ray` extra (checked in main)
 
-        return await serve_cluster(config, stop, access_log)
+        return await serve_cluster(config, stop_on_signals, access_log)
+    stop = stop_on_signals()
     engine = Engine(config)
     frontend = HttpFrontend(access_log=access_log)
     await frontend.start(engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 
 from engine import EngineConfig
 from engine.model.loader import load_tokenizer
@@ -20,21 +21,27 @@ from frontends.cluster.launch import Replicas
 from frontends.http import HttpFrontend
 
 
-async def start_cluster(config: EngineConfig) -> tuple[Replicas, ClusterEngine]:
-    """Replicas up and a ClusterEngine over them (blocking parts on worker threads)."""
+async def start_cluster(config: EngineConfig, started_ray: bool | None = None) -> tuple[Replicas, ClusterEngine]:
+    """Replicas up and a ClusterEngine over them (blocking parts on worker threads).
+    `started_ray`: whether the caller already started a local Ray (None: connect here)."""
     cluster = config.cluster
     where = cluster.ray_address or "a local Ray"
     print(f"[stepwise] starting {cluster.replicas} engine replica(s) on {where} (router {cluster.router})...",
           file=sys.stderr)
-    started_ray = Replicas.connect(config)  # on this (the main) thread, blocking: nothing else runs yet
+    if started_ray is None:
+        started_ray = Replicas.connect(config)  # on this (the main) thread, blocking: nothing else runs yet
     replicas = await asyncio.to_thread(Replicas.start, config, started_ray)
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model.model, config.model.resolved_cache_dir())
     engine = ClusterEngine(config, replicas.handles, tokenizer, replicas.max_model_len)
     return replicas, await engine.start()
 
 
-async def serve_cluster(config: EngineConfig, stop: asyncio.Event, access_log: bool = False) -> int:
-    starting = asyncio.create_task(start_cluster(config), name="stepwise-cluster-start")
+async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[[], asyncio.Event],
+                        access_log: bool = False) -> int:
+    # Ray installs its own SIGTERM handler in ray.init: connect first, then take the signals back.
+    started_ray = Replicas.connect(config)
+    stop = stop_on_signals()
+    starting = asyncio.create_task(start_cluster(config, started_ray), name="stepwise-cluster-start")
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
     if starting.done() and starting.exception() is not None:

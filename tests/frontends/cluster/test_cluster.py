@@ -27,7 +27,8 @@ from frontends.cluster.launch import Replicas  # noqa: E402
 from monitor.http_source import HttpSource  # noqa: E402
 from tests.frontends.conftest import metric, serving, sse_events, tiny_config  # noqa: E402
 
-CONFIG = tiny_config(replicas=2, replica_cpus=0.5, ray_num_cpus=2, health_check_ms=200)
+# torch attention: a replica (and its restart) must not wait for the C++ kernel to compile
+CONFIG = tiny_config(replicas=2, replica_cpus=0.5, ray_num_cpus=2, health_check_ms=200, attention_backend="torch")
 NAMES = ["replica-0", "replica-1"]
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 4  # ~16 blocks of 16 bytes
 CREATED = 1700000000
@@ -85,7 +86,8 @@ async def test_openai_sdk_streams_chat_and_completions(replicas):
                               "max_completion_tokens": 5, "temperature": 0, "stream": True}),
 ])
 async def test_sse_bytes_equal_the_single_process_server(tiny_model, replicas, path, body):
-    async with serving(tiny_model, tiny_config(), new_id=fixed_ids(), clock=lambda: CREATED) as (_, single):
+    single_config = tiny_config(attention_backend="torch")
+    async with serving(tiny_model, single_config, new_id=fixed_ids(), clock=lambda: CREATED) as (_, single):
         expected = await (await single.post(path, json=body)).read()
     async with ingress(replicas, new_id=fixed_ids(), clock=lambda: CREATED) as (_, client):
         resp = await client.post(path, json=body)

@@ -28,7 +28,7 @@ BAD = [
 
 async def test_same_ids_and_refusals_as_the_engine(tiny_model):
     tokenizer = tiny_model.tokenizer
-    async with Engine(tiny_config(), loaded=tiny_model) as engine:
+    async with Engine(tiny_config(attention_backend="torch"), loaded=tiny_model) as engine:
         for prompt, messages in CASES:
             ids = await prompt_ids(tokenizer, prompt, messages)
             outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=1), messages=messages)]

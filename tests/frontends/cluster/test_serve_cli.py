@@ -27,7 +27,7 @@ async def test_replicas_serve_and_sigterm_drains_then_exits_0():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "frontends.cli", "--model", "tiny-random", "--port", "0", "--served-model-name", "tiny",
         "--num-blocks", "1024", "--replicas", "2", "--replica-cpus", "0.5", "--ray-num-cpus", "2",
-        "--shutdown-grace-ms", "1500", stderr=asyncio.subprocess.PIPE, cwd=REPO,
+        "--shutdown-grace-ms", "1500", "--attention-backend", "torch", stderr=asyncio.subprocess.PIPE, cwd=REPO,
     )
     try:
         async with asyncio.timeout(300):
