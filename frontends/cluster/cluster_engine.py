@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class ClusterEngine:
             raise EngineDeadError(self.dead)
         params = params or SamplingParams()
         params.validate()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
         for _ in range(len(self.handles)):
