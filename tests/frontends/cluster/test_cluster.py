@@ -185,3 +185,12 @@ async def test_replica_killed_mid_stream_ends_its_stream_and_comes_back(replicas
             assert again.status == 200
             served.add(again.headers[REPLICA_HEADER])
         assert victim in served
+
+
+def test_replica_config_fixes_the_thread_count():
+    from frontends.cluster.launch import replica_config
+
+    assert replica_config(CONFIG.with_overrides(replica_cpus=2.5))["model"]["num_threads"] == 2
+    assert replica_config(CONFIG.with_overrides(replica_cpus=0.5))["model"]["num_threads"] == 1
+    assert replica_config(CONFIG.with_overrides(replica_cpus=0.5, num_threads=3))["model"]["num_threads"] == 3
+    assert replica_config(CONFIG)["cluster"] == CONFIG.to_dict()["cluster"]
