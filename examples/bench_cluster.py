@@ -1,6 +1,6 @@
 """Prefix-aware routing against round-robin (and least-loaded) on engine replicas (Ray Serve).
 
-    python examples/bench_cluster.py                       # 2 replicas x 1 CPU, real model
+    python examples/bench_cluster.py --num-requests 128 --rate 0.5 --num-blocks 320   # the README's run
     python examples/bench_cluster.py --routers prefix,round-robin,least-loaded --num-requests 256
 
 One local Ray; for each router, fresh replicas (cold prefix caches) behind the ingress on a
@@ -10,7 +10,7 @@ summed over the replicas from the ingress's merged /metrics (before/after the ru
 one table and the ratios of the first router to the others, all from this one run, and the
 machine's load average before and after.
 
-The KV pool per replica (`--num-blocks`, default 400 = 6,400 tokens) holds about half of the
+The KV pool per replica (`--num-blocks`; 320 = 5,120 tokens) should hold about half of the
 eight 1,000-token system prompts: a cluster whose replicas could each cache every prefix
 would not need prefix-aware routing.
 """
@@ -80,8 +80,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
-    p.add_argument("--num-blocks", type=int, default=400, help="KV pool per replica (16-token blocks)")
+    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    p.add_argument("--num-blocks", type=int, default=320, help="KV pool per replica (16-token blocks)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
