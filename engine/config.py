@@ -19,6 +19,7 @@ POLICIES = tuple(_REGISTRY)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
+ROUTERS = ("prefix", "round-robin", "least-loaded")
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,33 @@ class ServerConfig:
         _require(self.shutdown_grace_ms >= 0, "shutdown_grace_ms", "must be >= 0")
 
 
-SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig}
+@dataclass(frozen=True)
+class ClusterConfig:
+    replicas: int = 0  # 0 = one engine in this process; N >= 1 = N engine replicas on Ray Serve
+    ray_address: str = ""  # empty = start a local Ray; else join this cluster ("auto", "host:6379")
+    ray_num_cpus: int = 0  # local Ray only: CPUs it may use; 0 = what the replicas ask for, rounded up
+    router: str = "prefix"
+    replica_cpus: float = 1.0  # Ray CPU share of one replica; its torch threads too, unless num_threads is set
+    replica_gpus: float = 0.0
+    balance_abs_threshold: int = 64  # prefix router: leave the prefix's replica when its load exceeds
+    balance_rel_threshold: float = 1.5  # the least-loaded one's by more than abs AND more than rel times
+    max_prefix_entries: int = 65536  # prefix router: block hashes remembered (LRU)
+    health_check_ms: int = 1000  # how often the ingress probes each replica
+
+    def validate(self) -> None:
+        _require(self.replicas >= 0, "replicas", "must be >= 0")
+        _require(self.ray_num_cpus >= 0, "ray_num_cpus", "must be >= 0")
+        _require(self.router in ROUTERS, "router", f"must be one of {ROUTERS}")
+        _require(self.replica_cpus > 0, "replica_cpus", "must be > 0")
+        _require(self.replica_gpus >= 0, "replica_gpus", "must be >= 0")
+        _require(self.balance_abs_threshold >= 0, "balance_abs_threshold", "must be >= 0")
+        _require(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", "must be >= 1.0")
+        _require(self.max_prefix_entries >= 1, "max_prefix_entries", "must be >= 1")
+        _require(self.health_check_ms >= 10, "health_check_ms", "must be >= 10")
+
+
+SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig,
+            "cluster": ClusterConfig}
 
 
 @dataclass(frozen=True)
@@ -111,6 +138,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         for name in SECTIONS:
@@ -179,12 +207,12 @@ def all_keys() -> dict[str, tuple[str, type]]:
 
 def _build(section_cls: type, values: dict[str, Any]) -> Any:
     hints = get_type_hints(section_cls)
-    for key, value in values.items():
+    for key, value in list(values.items()):
         expected = hints[key]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value = float(value)  # `priority_aging_s = 30` means 30.0
         # bool is an int subclass: check it first so `port = true` is refused.
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            ok, values = True, {**values, key: float(value)}  # `priority_aging_s = 30` means 30.0
         if not ok:
             raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
     return section_cls(**values)

@@ -10,12 +10,16 @@ SIGINT / SIGTERM shut down cleanly: new requests get 503 (code shutting_down) an
 shutdown_grace_ms, default 0); then the socket closes, what is left is aborted (a stream ends
 with an error event and [DONE], a non-streamed request gets 503), handlers are waited for,
 the engine stops, exit 0. A second signal exits at once.
+
+`--replicas N` (N >= 1) serves N engine replicas on Ray Serve behind the same endpoint
+instead (`frontends.cluster`, the `ray` extra); `--ray-address` joins an existing cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -50,8 +54,8 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.load(path, **overrides)
 
 
-async def serve(config: EngineConfig, access_log: bool = False) -> int:
-    loop = asyncio.get_running_loop()
+def stop_on_signals() -> asyncio.Event:
+    """An event set by the first SIGINT / SIGTERM; a second one exits at once."""
     stop = asyncio.Event()
 
     def on_signal(signum: int) -> None:
@@ -60,9 +64,18 @@ async def serve(config: EngineConfig, access_log: bool = False) -> int:
         print(f"\n[stepwise] {signal.Signals(signum).name}: shutting down (again to force)", file=sys.stderr)
         stop.set()
 
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    return stop
 
+
+async def serve(config: EngineConfig, access_log: bool = False) -> int:
+    if config.cluster.replicas:
+        from frontends.cluster.serve import serve_cluster  # needs the `ray` extra (checked in main)
+
+        return await serve_cluster(config, stop_on_signals, access_log)
+    stop = stop_on_signals()
     engine = Engine(config)
     frontend = HttpFrontend(access_log=access_log)
     await frontend.start(engine)
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    if config.cluster.replicas and importlib.util.find_spec("ray") is None:
+        parser.error("--replicas needs Ray Serve: install the extra with pip install -e '.[ray]'")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(config, args.access_log))
 

@@ -56,6 +56,7 @@ HELP = f"""[b]Stepwise monitor[/b] — what the engine does, step by step
   [b]q[/b]      quit
   [b]p[/b]      pause / resume the view (data keeps arriving underneath)
   [b]+ -[/b]    zoom the strip of recent steps in / out
+  [b]r[/b]      next replica (a cluster: engine-serve --replicas N)
   [b]?[/b]      this help (esc closes)
 
 [b]Colours[/b]
@@ -90,6 +91,7 @@ class MonitorApp(App[None]):
         Binding("plus,equals_sign", "zoom(1)", "zoom in", key_display="+"),
         Binding("minus", "zoom(-1)", "zoom out", key_display="-"),
         Binding("question_mark", "help", "help", key_display="?"),
+        Binding("r", "next_replica", "next replica", show=False),  # in the help; a single engine has none
     ]
 
     paused: reactive[bool] = reactive(False)  # the view is frozen; data keeps arriving
@@ -196,7 +198,8 @@ class MonitorApp(App[None]):
         self.query_one(RequestTable).snapshot = m.snapshot
         policy = m.last.policy if m.last else m.snapshot.policy if m.snapshot else ""
         model_name = (m.config.get("model") or {}).get("model", "")
-        self.query_one(StatusBar).engine = " · ".join(x for x in (policy, model_name, m.engine_note) if x)
+        replica = f"{self.source.replica} of {len(m.replicas)} replicas" if self.source.replica and m.replicas else ""
+        self.query_one(StatusBar).engine = " · ".join(x for x in (replica, policy, model_name, m.engine_note) if x)
         self.steps_shown = m.num_steps_seen
 
     # --- actions ----------------------------------------------------------------------------
@@ -212,6 +215,17 @@ class MonitorApp(App[None]):
     def action_zoom(self, delta: int) -> None:
         strip = self.query_one(StepStrip)
         strip.zoom = max(0, min(len(ZOOM_WIDTHS) - 1, strip.zoom + delta))
+
+    def action_next_replica(self) -> None:
+        """Watch the next replica of a cluster: a fresh history from its own step stream."""
+        names = self.monitor.replicas
+        if len(names) < 2:
+            self.notify("one engine here: no other replica to show")
+            return
+        current = self.source.replica if self.source.replica in names else names[0]
+        self.source.select_replica(names[(names.index(current) + 1) % len(names)])
+        self.monitor.reset()
+        self._consume()  # exclusive: the old replica's worker is cancelled
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -1,7 +1,7 @@
 """engine-monitor: a terminal dashboard of what the engine does, step by step.
 
     engine-monitor                                 # attach to http://127.0.0.1:8000
-    engine-monitor --url http://host:8000 [--api-key KEY]
+    engine-monitor --url http://host:8000 [--api-key KEY] [--replica replica-1]
     engine-monitor --demo [--policy chunked|continuous|static] [--model smollm2-135m]
 """
 
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--demo", action="store_true",
                        help="run an engine in this process under a synthetic load (no server needed)")
     p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
+    p.add_argument("--replica", help="a cluster (engine-serve --replicas N): the replica to show first "
+                                     "(default its first; the r key goes to the next)")
     demo = p.add_argument_group("--demo options")
     demo.add_argument("--config", default=None, help="config file (default: ./config.toml if present, else built-in)")
     demo.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: the config's)")
@@ -47,7 +49,7 @@ def make_source(args: argparse.Namespace, *, loaded=None):
         return EngineSource(config, load=load, loaded=loaded)
     from monitor.http_source import HttpSource
 
-    return HttpSource(args.url or DEFAULT_URL, api_key=args.api_key)
+    return HttpSource(args.url or DEFAULT_URL, api_key=args.api_key, replica=args.replica)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         used = [f"--{n.replace('_', '-')}" for n in ("config", "policy", "model") if getattr(args, n)]
         if used:
             parser.error(f"{', '.join(used)} only apply with --demo")
+    elif args.replica:
+        parser.error("--replica only applies with --url")
     try:
         source = make_source(args)
     except (ValueError, OSError) as e:  # a bad config file or value: say so, no traceback

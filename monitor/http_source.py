@@ -13,6 +13,9 @@ The contract (frontends/ serves it):
                            null while the engine loads). A 404 or an unreadable body here
                            only hides the queue table; it does not drop the connection.
 
+A cluster ingress (`engine-serve --replicas N`) serves both per replica: `?replica=NAME`
+(default: its first), and its state also names the `replica` and lists the `replicas`.
+
 An API key, when the server wants one, goes in `Authorization: Bearer <key>`.
 """
 
@@ -68,9 +71,13 @@ class SSEParser:
 
 
 class HttpSource(StepSource):
-    def __init__(self, url: str, *, api_key: str = "", connect_timeout_s: float = 3.0, state_timeout_s: float = 5.0):
+    def __init__(self, url: str, *, api_key: str = "", replica: str | None = None, connect_timeout_s: float = 3.0,
+                 state_timeout_s: float = 5.0):
         self.url = url.rstrip("/")
         self.description = self.url
+        self.replica = replica
+        if replica:
+            self.description = f"{self.url} · {replica}"
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
         self._state_timeout = aiohttp.ClientTimeout(total=state_timeout_s)
@@ -81,12 +88,23 @@ class HttpSource(StepSource):
         self._state_supported = True
         self._state_failures = 0
 
+    def select_replica(self, name: str) -> None:
+        self.replica = name
+        self.description = f"{self.url} · {name}"
+        if self._response is not None:  # the open stream is the old replica's
+            self._response.close()
+            self._response = None
+
+    @property
+    def _query(self) -> dict[str, str]:
+        return {"replica": self.replica} if self.replica else {}
+
     async def connect(self) -> None:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
         url = self.url + STEPS_PATH
         try:
-            resp = await self._session.get(url, headers={"Accept": "text/event-stream"})
+            resp = await self._session.get(url, params=self._query, headers={"Accept": "text/event-stream"})
         except aiohttp.ClientConnectorError as e:
             raise SourceUnavailable(f"cannot connect to {self.url} ({_os_reason(e)})") from None
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -123,7 +141,8 @@ class HttpSource(StepSource):
         if not self._state_supported or self._session is None:
             return None
         try:
-            async with self._session.get(self.url + STATE_PATH, timeout=self._state_timeout) as resp:
+            async with self._session.get(self.url + STATE_PATH, params=self._query,
+                                         timeout=self._state_timeout) as resp:
                 if resp.status == 404:
                     self._state_supported = False  # an older server: steps only
                     return None

@@ -32,6 +32,14 @@ class SourceUnavailable(Exception):
     """The source cannot be reached or its stream broke; the message says why, for a person."""
 
 
+class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine replica behind a cluster ingress (`engine-serve --replicas N`)."""
+
+    name: str
+    healthy: bool = True
+    in_flight: int = 0
+
+
 class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     """What GET /v1/engine/state returns: the snapshot (null while the engine loads) plus
     the server's configuration (EngineConfig.to_dict() sections) and a few facts. Fields
@@ -43,6 +51,8 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     ready: bool = True
     dead: str | None = None
     max_model_len: int | None = None
+    replica: str | None = None  # a cluster ingress: the replica these figures are from
+    replicas: list[ReplicaInfo] = []  # ... and every replica it has
 
 
 class StepSource(ABC):
@@ -50,6 +60,11 @@ class StepSource(ABC):
 
     description: str = "?"
     connecting_activity: str = "connecting"  # shown while connect() runs
+    replica: str | None = None  # the replica watched, when the source is a cluster ingress
+
+    def select_replica(self, name: str) -> None:
+        """Watch this replica from the next connection on (sources of one engine refuse)."""
+        raise SourceUnavailable(f"{self.description} has no replicas")
 
     @abstractmethod
     async def connect(self) -> None:

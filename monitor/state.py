@@ -76,6 +76,7 @@ class MonitorState:
         self.snapshot: EngineSnapshot | None = None
         self.config: dict = {}
         self.engine_note = ""  # "engine loading" / "engine dead: …" from the state endpoint
+        self.replicas: list[str] = []  # a cluster ingress's replicas (from the state endpoint)
         self.status = StatusView("connecting", "")
         self.num_steps_seen = 0
         self._ttft: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -105,6 +106,7 @@ class MonitorState:
         self.snapshot = state.snapshot  # None while the engine is loading
         self.config = state.config
         self.engine_note = "" if state.ready else f"engine dead: {state.dead}" if state.dead else "engine loading"
+        self.replicas = [r.name for r in state.replicas]
 
     def add(self, record: StepRecord) -> None:
         if self.records and (record.step < self.records[-1].step or record.step == self.records[-1].step

@@ -58,6 +58,11 @@ def test_keyword_overrides():
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"linear_backend": "blas"}, "linear_backend"),
         ({"no_such_key": 1}, "no_such_key"),
+        ({"router": "random"}, "router"),
+        ({"replicas": -1}, "replicas"),
+        ({"replica_cpus": 0.0}, "replica_cpus"),
+        ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
+        ({"replica_cpus": "1"}, "replica_cpus"),
     ],
 )
 def test_bad_keyword_override_names_the_key(overrides, key):
@@ -116,3 +121,16 @@ def test_partial_file_keeps_defaults(tmp_path):
     config = EngineConfig.load(write_config(tmp_path, '[scheduler]\npolicy = "continuous"\n'))
     assert config.scheduler.policy == "continuous"
     assert config.scheduler.max_num_seqs == 64 and config.server.port == 8000
+
+
+def test_cluster_section_and_int_for_float():
+    config = EngineConfig.load(None, replicas=2, router="round-robin")
+    assert config.cluster.replicas == 2 and config.cluster.router == "round-robin"
+    assert section_of("replica_cpus") == "cluster"
+
+
+def test_an_integer_is_accepted_for_a_float_key_but_a_bool_is_not(tmp_path):
+    config = EngineConfig.load(write_config(tmp_path, "[cluster]\nreplica_cpus = 2\nbalance_rel_threshold = 2\n"))
+    assert config.cluster.replica_cpus == 2.0 and isinstance(config.cluster.replica_cpus, float)
+    with pytest.raises(ValueError, match="replica_gpus"):
+        EngineConfig.load(write_config(tmp_path, "[cluster]\nreplica_gpus = true\n"))

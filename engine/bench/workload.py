@@ -12,6 +12,8 @@
   the second 0.5 s later. Each long prompt's TTFT shows whether a second prompt slows the first.
 - sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
   traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
+- shared-prefix: 8 system prompts of 1,000 tokens shared by all requests, each request one of
+  them plus a short user turn; for comparing the cluster's routers (`examples/bench_cluster.py`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,28 @@ def sharegpt_like(seed: int = 0, num_requests: int = 64, rate: float = 0.0, voca
     return out
 
 
-WORKLOADS = {"mixed": mixed, "spike": spike, "spike-overlap": spike_overlap, "sharegpt-like": sharegpt_like}
+def shared_prefix(
+    seed: int = 0, num_requests: int = 256, rate: float = 0.0, vocab: range = range(100, 20000),
+    num_prefixes: int = 8, prefix_len: int = 1000, max_tokens: int = 32,
+) -> list[BenchRequest]:
+    """Chat-like traffic behind a few long system prompts: each request is one of
+    `num_prefixes` shared prefixes of `prefix_len` tokens plus a short user turn (16-64
+    tokens), chosen at random; tagged with its prefix. What prefix-aware routing is for."""
+    rng = random.Random(seed)
+    prefixes = [_prompt(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    out, t = [], 0.0
+    for _ in range(num_requests):
+        k = rng.randrange(num_prefixes)
+        if rate > 0:
+            t += rng.expovariate(rate)
+        out.append(BenchRequest(prefixes[k] + _prompt(rng, rng.randint(16, 64), vocab), max_tokens, t, f"prefix-{k}"))
+    return out
+
+
+WORKLOADS = {
+    "mixed": mixed, "spike": spike, "spike-overlap": spike_overlap, "sharegpt-like": sharegpt_like,
+    "shared-prefix": shared_prefix,
+}
 
 
 def make(

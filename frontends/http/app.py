@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from frontends.http.metrics import Metrics
 from frontends.http.state import STATE, ServerState
 from frontends.http.streams import LiveRequests
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SHUTDOWN_GRACE_S = 5.0  # live handlers get this long to finish after their requests are aborted
 
 
@@ -38,7 +39,11 @@ def create_app(
     *,
     new_id: Callable[[str], str] = _new_id,
     clock: Callable[[], int] = lambda: int(time.time()),
+    views: Mapping[str, Handler] | None = None,
 ) -> web.Application:
+    """`engine`: an `Engine`, or anything with its request API (the Ray ingress passes a
+    `ClusterEngine`). `views` replaces GET handlers by path (the ingress's /metrics and
+    /v1/engine/* read the replicas)."""
     server = engine.config.server
     middlewares = [error_middleware, body_limit_middleware(server.max_body_bytes)]
     if server.api_key:
@@ -49,11 +54,13 @@ def create_app(
     app[STATE] = ServerState(engine, metrics, StepFeed(engine, metrics), LiveRequests(), new_id, clock)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
-    app.router.add_get("/v1/models", models.list_models)
-    app.router.add_get("/v1/engine/state", observe.engine_state)
-    app.router.add_get("/v1/engine/steps", observe.engine_steps)
-    app.router.add_get("/health", observe.health)
-    app.router.add_get("/metrics", observe.metrics)
+    gets = {"/v1/models": models.list_models, "/v1/engine/state": observe.engine_state,
+            "/v1/engine/steps": observe.engine_steps, "/health": observe.health, "/metrics": observe.metrics}
+    unknown = set(views or ()) - set(gets)
+    if unknown:
+        raise ValueError(f"views may only replace {sorted(gets)}, not {sorted(unknown)}")
+    for path, handler in {**gets, **(views or {})}.items():
+        app.router.add_get(path, handler)
     app.cleanup_ctx.append(_run_step_feed)
     app.on_shutdown.append(_close_live)
     return app

@@ -30,13 +30,21 @@ class SnapshotGauges(Collector):
         self.engine = engine
         self.model_name = model_name
 
+    GAUGES = [
+        ("vllm:num_requests_running", "Requests in the running batch."),
+        ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
+        ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."),
+    ]
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The families without values: registering does not read the engine."""
+        for name, doc in self.GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["model_name"])
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self.engine.snapshot() if self.engine.ready else None
-        for name, doc, value in [
-            ("vllm:num_requests_running", "Requests in the running batch.", len(snap.running) if snap else 0),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(snap.waiting) if snap else 0),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", snap.kv_usage if snap else 0.0),
-        ]:
+        values = [len(snap.running), len(snap.waiting), snap.kv_usage] if snap else [0, 0, 0.0]
+        for (name, doc), value in zip(self.GAUGES, values, strict=True):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge

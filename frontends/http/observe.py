@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from engine import Engine
 from frontends.http import sse
 from frontends.http.metrics import CONTENT_TYPE
 from frontends.http.state import STATE
@@ -32,12 +33,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def engine_state(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
+def state_of(engine: Engine) -> dict:
+    """The body of /v1/engine/state (an engine replica serves the same through Ray)."""
     config = engine.config.to_dict()
     if config["server"]["api_key"]:
         config["server"]["api_key"] = "<redacted>"
-    return _json({
+    return {
         "model": engine.model_name,
         "ready": engine.ready,
         "dead": engine.dead,
@@ -45,7 +46,11 @@ async def engine_state(request: web.Request) -> web.Response:
         "snapshot": engine.snapshot() if engine.ready else None,
         "step_cost": engine.step_cost() if engine.ready else None,
         "config": config,
-    })
+    }
+
+
+async def engine_state(request: web.Request) -> web.Response:
+    return _json(state_of(request.app[STATE].engine))
 
 
 async def engine_steps(request: web.Request) -> web.StreamResponse:

@@ -108,3 +108,18 @@ def test_spike_overlap_shape():
     assert all(len(r.prompt_token_ids) == 2000 for r in long)
     assert long[0].after_tokens == long[1].after_tokens == 12 * 128 // 4  # both gated mid-stream
     assert (long[0].after_gate_s, long[1].after_gate_s) == (0.0, 0.5)  # the second 0.5 s later
+
+
+def test_shared_prefix_shape():
+    reqs = make("shared-prefix", seed=1, num_requests=200, rate=4.0)
+    groups: dict[str, list] = {}
+    for r in reqs:
+        groups.setdefault(r.tag, []).append(r.prompt_token_ids)
+    assert len(groups) == 8 and all(len(g) >= 10 for g in groups.values())  # 8 prefixes, all used
+    for prompts in groups.values():
+        assert all(p[:1000] == prompts[0][:1000] for p in prompts)  # one 1,000-token prefix per group
+        assert all(1016 <= len(p) <= 1064 for p in prompts)  # plus a 16-64 token user turn
+    heads = {tuple(g[0][:1000]) for g in groups.values()}
+    assert len(heads) == 8 and {r.max_tokens for r in reqs} == {32}
+    arrivals = [r.arrival_s for r in reqs]
+    assert all(0 < a < b for a, b in zip(arrivals, arrivals[1:]))

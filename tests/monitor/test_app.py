@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from monitor.app import HelpScreen, MonitorApp
 from monitor.scripted import ScriptedSource
-from monitor.source import Backoff
+from monitor.source import Backoff, ReplicaInfo
 from monitor.widgets import DEFAULT_ZOOM, LatencyPanel, QueuePanel, RequestTable, StatusBar, StepPanel, StepStrip
 from tests.monitor.helpers import MIXED_ITEMS, decodes, plain, record, state, strip_columns, until
 
@@ -284,8 +285,6 @@ async def test_any_terminal_size_renders(size):
 
 
 async def test_the_step_panel_shows_predicted_against_actual_forward_time():
-    import msgspec
-
     predicted = msgspec.structs.replace(MIXED, forward_s=0.25, predicted_s=0.2)
     source = ScriptedSource([decodes(6), predicted], state(7))
     app = make_app(source)
@@ -293,3 +292,47 @@ async def test_the_step_panel_shows_predicted_against_actual_forward_time():
         await until(pilot, lambda: app.steps_shown == 2)
         panel = plain(app.query_one(StepPanel))
         assert "forward 250 ms (predicted 200 ms)" in panel, panel
+
+
+class ClusterSource(ScriptedSource):
+    """A scripted cluster ingress: each replica has its own steps and state."""
+
+    def __init__(self):
+        super().__init__([decodes(1), decodes(2)], self.state_of("replica-0"))
+        self.replica = "replica-0"
+
+    @staticmethod
+    def state_of(name: str):
+        return msgspec.structs.replace(state(2), replica=name,
+                                       replicas=[ReplicaInfo(name="replica-0"), ReplicaInfo(name="replica-1")])
+
+    def select_replica(self, name: str) -> None:
+        self.replica = name
+        self.set_state(self.state_of(name))
+
+
+async def test_replica_picker_switches_to_the_next_replica_with_a_fresh_history():
+    source = ClusterSource()
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 2 and app.monitor.replicas == ["replica-0", "replica-1"])
+        await until(pilot, lambda: "replica-0 of 2 replicas" in plain(app.query_one(StatusBar)))
+        await pilot.press("r")
+        await until(pilot, lambda: source.connections == 2)
+        source.push(decodes(1, n=5))  # the new replica's stream (its steps count from 1 again)
+        await until(pilot, lambda: app.steps_shown == 3)
+        await until(pilot, lambda: "replica-1 of 2 replicas" in plain(app.query_one(StatusBar)))
+        assert [r.step for r in app.query_one(StepStrip).visible()] == [1]  # replica-1's own history
+        assert "decode ×5" in plain(app.query_one(StepPanel))
+        await pilot.press("r")
+        await until(pilot, lambda: source.replica == "replica-0" and source.connections == 3)
+
+
+async def test_replica_key_on_a_single_engine_changes_nothing():
+    source = ScriptedSource([decodes(1)], state(1))
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 1)
+        await pilot.press("r")
+        await pilot.pause()
+        assert source.connections == 1 and source.replica is None

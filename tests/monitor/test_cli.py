@@ -30,8 +30,14 @@ def test_demo_builds_an_embedded_engine_with_overrides(tmp_path):
     assert source.load_settings.long_prompt_tokens == 700 and source.engine is None  # nothing started yet
 
 
+def test_replica_of_a_cluster():
+    source = make_source(build_parser().parse_args(["--url", "http://h:9", "--replica", "replica-1"]))
+    assert source.replica == "replica-1" and source._query == {"replica": "replica-1"}
+    assert source.description == "http://h:9 · replica-1"
+
+
 @pytest.mark.parametrize("argv", [["--policy", "static"], ["--url", "http://x", "--demo"],
-                                  ["--demo", "--policy", "fifo"]])
+                                  ["--demo", "--policy", "fifo"], ["--demo", "--replica", "replica-0"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

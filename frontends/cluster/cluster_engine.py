@@ -1,0 +1,201 @@
+"""ClusterEngine: the engine API the aiohttp frontend calls, answered by engine replicas.
+
+It has what the frontend uses of `Engine` — `submit` / `stream` / `generate` / `abort`,
+`ready` / `dead`, `config`, `tokenizer`, `max_model_len`, `steps` — so the OpenAI routes,
+their SSE bytes, errors and the shutdown drain are the single-process server's own code.
+
+`submit` tokenizes the prompt (once), hashes its full KV blocks with the block manager's
+chain, asks the `Router` for a replica, and opens the replica's `generate` stream; the
+replica's first item says whether its engine accepted the request (a refusal raises the
+same engine error here). A replica that cannot be reached is marked down and the next one
+is tried. `stream` relays the replica's outputs; if the replica dies mid-stream the stream
+ends with a final output `finish_reason="error"` (the frontend turns it into an SSE error
+event and [DONE]). A health task probes every replica and marks it up when it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine import EngineConfig, RequestOutput, SamplingParams, StepRecord
+from engine.block_hash import prefix_block_hashes
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+from frontends.cluster.prompt import prompt_ids
+from frontends.cluster.replica import ACCEPTED, Refusal
+from frontends.cluster.router import Router
+
+ERRORS = {cls.__name__: cls for cls in (RequestError, ContextLengthError, QueueFullError, EngineDeadError)}
+MAX_REMEMBERED = 4096  # request id -> replica, for the response header (written after the stream ends)
+
+
+@dataclass
+class _Remote:
+    replica: str
+    outputs: object  # ray.serve.handle.DeploymentResponseGenerator
+
+
+def _refusal_error(refusal: Refusal) -> Exception:
+    cls = ERRORS.get(refusal.kind, RuntimeError)
+    return cls(refusal.message, refusal.param) if issubclass(cls, RequestError) else cls(refusal.message)
+
+
+class ClusterEngine:
+    def __init__(self, config: EngineConfig, handles: dict, tokenizer, max_model_len: int):
+        cluster = config.cluster
+        self.config = config
+        self.handles = handles  # replica name -> DeploymentHandle
+        self._streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.model_name = config.server.served_model_name
+        self.router = Router(list(handles), cluster.router, abs_threshold=cluster.balance_abs_threshold,
+                             rel_threshold=cluster.balance_rel_threshold,
+                             max_prefix_entries=cluster.max_prefix_entries)
+        self.dead: str | None = None
+        self._remotes: dict[str, _Remote] = {}
+        self._served_by: OrderedDict[str, str] = OrderedDict()
+        self._stopped = asyncio.Event()
+        self._health: asyncio.Task | None = None
+        self._health_changed = asyncio.Event()  # set (and replaced) when a replica comes back
+
+    @property
+    def ready(self) -> bool:
+        return not self.dead and bool(self.router.healthy)
+
+    async def start(self) -> ClusterEngine:
+        self._health = asyncio.create_task(self._check_health(), name="stepwise-cluster-health")
+        return self
+
+    async def stop(self) -> None:
+        self.dead = self.dead or "cluster stopped"
+        self._stopped.set()
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+
+    # --- requests ---------------------------------------------------------------------------
+
+    async def submit(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                     messages: list[dict] | None = None, request_id: str | None = None) -> str:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        ids = await prompt_ids(self.tokenizer, prompt, messages)
+        hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
+        for _ in range(len(self.handles)):
+            name = self.router.route(hashes)
+            if name is None:
+                break
+            outputs = self._streaming[name].generate.remote(ids, params, request_id)
+            try:
+                verdict = await outputs.__anext__()
+            except asyncio.CancelledError:
+                outputs.cancel()
+                self.router.release(name)
+                raise
+            except Exception as e:  # the replica is unreachable or died: try another one
+                self.router.release(name)
+                self._mark_down(name, e)
+                continue
+            if verdict != ACCEPTED:
+                outputs.cancel()
+                self.router.release(name)
+                raise _refusal_error(verdict)
+            self._remotes[request_id] = _Remote(name, outputs)
+            self._remember(request_id, name)
+            return request_id
+        raise EngineDeadError("no engine replica is available")
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        remote = self._remotes[request_id]
+        finished = False
+        try:
+            try:
+                async for out in remote.outputs:
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+                error = "the replica ended the stream without a final output"
+            except Exception as e:  # the replica died (or Ray lost it) mid-stream
+                self._mark_down(remote.replica, e)
+                error = f"engine replica {remote.replica} failed: {type(e).__name__}"
+            finished = True
+            yield RequestOutput(request_id=request_id, text="", token_ids=[], finished=True, finish_reason="error",
+                                error=error)
+        finally:
+            del self._remotes[request_id]
+            self.router.release(remote.replica)
+            if not finished:
+                remote.outputs.cancel()  # cancels the replica's generate, which aborts the request
+
+    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                       messages: list[dict] | None = None, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        request_id = await self.submit(prompt, params, messages=messages, request_id=request_id)
+        async for out in self.stream(request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort on the replica: its engine ends the stream with a final "abort" output."""
+        remote = self._remotes.get(request_id)
+        if remote is not None:
+            with contextlib.suppress(Exception):
+                await self.handles[remote.replica].abort.remote(request_id)
+
+    def replica_of(self, request_id: str) -> str | None:
+        """The replica that served `request_id` (for the x-stepwise-replica header)."""
+        return self._served_by.get(request_id)
+
+    def _remember(self, request_id: str, name: str) -> None:
+        self._served_by[request_id] = name
+        while len(self._served_by) > MAX_REMEMBERED:
+            self._served_by.popitem(last=False)
+
+    # --- observation and health ---------------------------------------------------------------
+
+    async def steps(self) -> AsyncIterator[StepRecord]:
+        """The ingress has no steps of its own (each replica streams its own): none until stop."""
+        await self._stopped.wait()
+        return
+        yield  # an async generator
+
+    def _mark_down(self, name: str, why: BaseException | str) -> None:
+        if name in self.router.healthy:
+            print(f"[stepwise] {name} unreachable ({why!r}); routing around it", file=sys.stderr)
+        self.router.mark_down(name)
+
+    async def _check_health(self) -> None:
+        period = self.config.cluster.health_check_ms / 1000
+        while True:
+            await asyncio.gather(*(self._probe(name) for name in self.handles))
+            await asyncio.sleep(period)
+
+    async def _probe(self, name: str) -> None:
+        timeout = max(5.0, 5 * self.config.cluster.health_check_ms / 1000)
+        try:
+            await asyncio.wait_for(self.handles[name].check_health.remote(), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._mark_down(name, e)
+            return
+        if name not in self.router.healthy:
+            print(f"[stepwise] {name} is healthy again", file=sys.stderr)
+            self.router.mark_up(name)
+            self._health_changed.set()
+            self._health_changed = asyncio.Event()
+
+    async def wait_healthy(self, name: str) -> None:
+        """Until the router sends `name` requests again."""
+        while name not in self.router.healthy:
+            await self._health_changed.wait()

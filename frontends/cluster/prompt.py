@@ -1,0 +1,47 @@
+"""Tokenize a request once, at the ingress, exactly as the engine's intake would.
+
+The router needs the prompt's token ids to hash its KV blocks, and the replica then gets the
+ids (not the text), so nothing is tokenized twice. The rules, and the errors for what they
+refuse, are intake's: a chat goes through the model's chat template with the generation
+prompt, text is encoded without special tokens, a list of ids is taken as is (the replica's
+intake still checks their range, the context length and the KV pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.errors import RequestError
+
+LONG_PROMPT_CHARS = 2000  # tokenize on a worker thread beyond this (as intake does)
+
+
+def _text_of(tokenizer, prompt: str | list[int] | None, messages: list[dict] | None) -> str | list[int]:
+    if (prompt is None) == (messages is None):
+        raise RequestError("give exactly one of prompt and messages", "prompt")
+    if messages is not None:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise RequestError("messages must be a list of {role: str, content: str}", "messages")
+        if not messages:
+            raise RequestError("messages must not be empty", "messages")
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
+            raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
+    if isinstance(prompt, list):
+        return list(prompt)
+    if isinstance(prompt, str):
+        return prompt
+    raise RequestError("prompt must be a string or a list of token ids", "prompt")
+
+
+async def prompt_ids(tokenizer, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+    text = _text_of(tokenizer, prompt, messages)
+    if isinstance(text, list):
+        return text
+    if len(text) <= LONG_PROMPT_CHARS:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
