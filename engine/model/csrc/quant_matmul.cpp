@@ -16,12 +16,16 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 // ggml's type ids
 constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
+constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
 
 constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
 
@@ -37,7 +41,9 @@ struct Job {
 
 namespace portable {
 constexpr int SW = 4;
+#define STEPWISE_SW 4
 #include "quant_matmul_impl.h"
+#undef STEPWISE_SW
 }  // namespace portable
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -50,7 +56,9 @@ constexpr int SW = 4;
 #endif
 namespace avx2 {
 constexpr int SW = 8;
+#define STEPWISE_SW 8
 #include "quant_matmul_impl.h"
+#undef STEPWISE_SW
 }  // namespace avx2
 #ifdef __clang__
 #pragma clang attribute pop
@@ -63,7 +71,9 @@ constexpr int SW = 8;
 #endif
 namespace avx512 {
 constexpr int SW = 16;
+#define STEPWISE_SW 16
 #include "quant_matmul_impl.h"
+#undef STEPWISE_SW
 }  // namespace avx512
 #ifdef __clang__
 #pragma clang attribute pop
