@@ -44,6 +44,11 @@ def quant_kernel_available() -> bool:
     return _KERNEL.available()
 
 
+def require_kernel() -> None:
+    """Build the kernel now; raise RuntimeError with the compiler's complaint if it fails."""
+    _KERNEL.get()
+
+
 def isa_supported(isa: str) -> bool:
     """Whether this CPU can run the `isa` path of the kernel."""
     if isa not in ISAS:
