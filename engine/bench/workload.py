@@ -7,6 +7,7 @@
   count, not a clock time, so each lands mid-stream on any hardware). Separate arrivals on
   streams of 128 tokens: a stall must hit more than 1 % of the streams' gaps to show in their
   P99 (two arrivals x 12 streams = 24 of 1,524 gaps).
+- single: one user alone: one request, a 128-token prompt and 256 tokens out (decode speed).
 - sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
   traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
 """
@@ -69,7 +70,19 @@ def sharegpt_like(seed: int = 0, num_requests: int = 64, rate: float = 0.0, voca
     return out
 
 
-WORKLOADS = {"mixed": mixed, "spike": spike, "sharegpt-like": sharegpt_like}
+def single(seed: int = 0, num_requests: int = 1, rate: float = 0.0, vocab: range = range(100, 20000),
+           prompt_len: int = 128, max_tokens: int = 256) -> list[BenchRequest]:
+    """`num_requests` (default 1) such requests; with rate > 0 they arrive one after another."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(num_requests):
+        if rate > 0 and i:
+            t += rng.expovariate(rate)
+        out.append(BenchRequest(_prompt(rng, prompt_len, vocab), max_tokens, t))
+    return out
+
+
+WORKLOADS = {"mixed": mixed, "spike": spike, "sharegpt-like": sharegpt_like, "single": single}
 
 
 def make(
