@@ -66,7 +66,6 @@ def build_extension(name: str, sources: list[Path], variants: list[tuple[str, li
                 sources=[str(s) for s in sources],
                 extra_cflags=[*flags, "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=sorted({str(s.parent) for s in sources}),
                 is_python_module=False,
                 verbose=False,
             )
