@@ -26,6 +26,7 @@ namespace {
 constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
 constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
+constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
 
 constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
 
@@ -33,7 +34,7 @@ struct Job {
   const float* x;
   int64_t ldx, T;
   const uint8_t* blocks;
-  int64_t row_bytes, K;
+  int64_t N, row_bytes, K;
   float* out;
   int64_t ldo;
   int qtype;
@@ -107,7 +108,7 @@ void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == N &&
                   out.stride(1) == 1, "stepwise_gguf.matmul: out must be float32 [T, N] with contiguous rows");
   if (T == 0 || N == 0) return;
-  const Job job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), blocks.size(1), K,
+  const Job job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
                 out.data_ptr<float>(), out.stride(0), int(qtype)};
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
@@ -127,7 +128,7 @@ void dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa,
   const int64_t N = blocks.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
                   out.size(1) == K, "stepwise_gguf.dequantize: out must be contiguous float32 [N, K]");
-  const Job job{nullptr, 0, 0, blocks.data_ptr<uint8_t>(), blocks.size(1), K, out.data_ptr<float>(), K, int(qtype)};
+  const Job job{nullptr, 0, 0, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K, out.data_ptr<float>(), K, int(qtype)};
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
 #ifdef STEPWISE_X86
     if (isa == 2) return avx512::dequant(job, n0, n1);

@@ -144,13 +144,22 @@ template <int QT, int MR, int NR>
 inline void direct(const Job& a, int64_t t, int64_t n) {
   vf acc[MR][NR][2] = {};
   const int64_t nb = a.K / 32;
-  for (int64_t b = 0; b < nb; ++b)
+  // The NR rows are one contiguous run of bytes; while it is read, the run PREFETCH_GROUPS
+  // runs ahead is requested line by line (there is little memory-level parallelism
+  // otherwise: each block takes more arithmetic than the hardware prefetcher's look-ahead).
+  const uint8_t* group = a.blocks + n * a.row_bytes;
+  const int64_t group_bytes = NR * a.row_bytes, ahead = PREFETCH_GROUPS * group_bytes;
+  const uint8_t* end = a.blocks + a.N * a.row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = b * group_bytes / nb; off < (b + 1) * group_bytes / nb; off += 64)
+      if (group + ahead + off < end) __builtin_prefetch(group + ahead + off, 0, 0);
     for (int j = 0; j < NR; ++j) {
       vf w[NV];
       dequant_block<QT>(a.blocks + (n + j) * a.row_bytes + b * block_bytes(QT), w);
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < NV; ++v) acc[i][j][v & 1] += load(a.x + (t + i) * a.ldx + b * 32 + v * SW) * w[v];
     }
+  }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) a.out[(t + i) * a.ldo + n + j] = hsum(acc[i][j][0] + acc[i][j][1]);
 }
