@@ -18,8 +18,9 @@ from engine.model import quant_kernel
 from engine.model.gguf_weights import QuantWeight, read_gguf_weights
 from engine.model.linear import Linear
 
-# Steps of up to this many rows use the block kernel. Measured on the real model's shapes with
-# examples/bench_forward.py (whole forward, AMD EPYC Zen 4, AVX2 path, 2 threads).
+# Steps of up to this many rows use the block kernel: the crossover with oneDNN's fp32 GEMM
+# lies between 16 and 32 rows (examples/bench_forward.py --clock cpu, whole forward, and the
+# projections alone, on an AVX2-only AMD EPYC; not yet measured on an AVX-512 CPU).
 NATIVE_MAX_ROWS = 16
 
 
