@@ -20,6 +20,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
 ROUTERS = ("prefix", "round-robin", "least-loaded")
+WEIGHT_FORMATS = ("auto", "dequantized", "gguf")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    weight_format: str = "auto"
     device: str = "auto"
     num_threads: int = 0
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
@@ -38,6 +40,9 @@ class ModelConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(self.attention_backend in BACKENDS, "attention_backend", f"must be one of {BACKENDS}")
         _require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
+        _require(self.weight_format in WEIGHT_FORMATS, "weight_format", f"must be one of {WEIGHT_FORMATS}")
+        _require(not (self.weight_format == "gguf" and self.linear_backend == "int8"), "weight_format",
+                 "'gguf' runs the GGUF blocks as stored; it cannot be combined with linear_backend 'int8'")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         _require(self.num_threads >= 0, "num_threads", "must be >= 0")
 

@@ -76,7 +76,8 @@ class Engine:
             load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype
         )
         backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
-        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend)
+        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
+                                        loaded.gguf, cfg.model.weight_format)
         self.tokenizer, name = loaded.tokenizer, loaded.name
         if self._loaded is None:
             # Our model holds copies of every weight: free transformers' copy (and unmap its
@@ -86,7 +87,8 @@ class Engine:
         shape = model.shape
         kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
                            shape.head_dim, dtype, device)
-        print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears; "
+        print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears, "
+              f"{model.weight_format} weights; "
               f"KV pool {cfg.cache.num_blocks} blocks x {cfg.cache.block_size} tokens = "
               f"{kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
         self.max_model_len = shape.max_position

@@ -1,6 +1,6 @@
 """Forward-pass throughput of our paged Llama vs transformers, on the real model (CPU).
 
-    .venv/bin/python examples/bench_forward.py [--threads N]
+    .venv/bin/python examples/bench_forward.py [--threads N] [--weight-format F] [--skip-hf]
 
 Prefill: one sequence of N tokens in one forward (ours: a fresh paged step; HF: a [1, N]
 forward with logits_to_keep=1 and its default DynamicCache).
@@ -9,6 +9,11 @@ step (ours: one flattened paged step of B tokens; HF: a [B, 1] forward over a Dy
 prefilled to the same context). Contexts are filled once (one 128-token prefill, copied to
 every sequence's own blocks / batch row) and are not timed; a first, untimed step checks
 that both sides give the same logits.
+
+Native GGUF weights (second table): steps of R decode rows (R sequences, 32-token contexts)
+with every projection on the GGUF block kernel, on the dense fp32 copy (oneDNN), and as
+weight_format "auto" chooses (the kernel up to NATIVE_MAX_ROWS rows): same model object, the
+per-projection row threshold set for each run.
 
 Each number is the median of a few timed runs after warm-up. Not a test: numbers vary with
 the machine and with whatever else is running on it.
@@ -32,12 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.backend import get_backend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.cpu import cpu_info  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
+from engine.model.quant_linear import NATIVE_MAX_ROWS, QuantLinear  # noqa: E402
 
 PREFILL_LENS = (512, 2048)
 DECODE_BATCHES = (1, 16, 64)
+NATIVE_ROWS = (1, 16, 64, 256, 512)
+NATIVE_CONTEXT = 32
 CONTEXT = 128
 BLOCK = 16
 TEXT = (
@@ -92,14 +101,17 @@ class Paged:
         self.lens[dst] = n
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (see main)
+
+
 def timed(fn, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return statistics.median(times)
 
 
@@ -157,6 +169,30 @@ def bench_decode(loaded, ours: LlamaModel, batch: int, warmup: int, steps: int, 
     return batch / timed(ours_step, warmup, steps), batch / timed(hf_step, warmup, steps)
 
 
+def set_max_rows(model: LlamaModel, max_rows: int) -> None:
+    """Steps of up to max_rows rows run the block kernel, larger ones the dense copy."""
+    for p in [model.lm_head] + [getattr(w, f) for w in model.layers for f in ("qkv", "o", "gate_up", "down")]:
+        if isinstance(p, QuantLinear):
+            p.max_rows = max_rows
+
+
+@torch.inference_mode()
+def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[str, float]:
+    """Decode steps of `rows` sequences: tok/s with kernel / dense / auto on the same weights."""
+    blocks_per_seq = (NATIVE_CONTEXT + 1 + warmup + 3 * steps + 3) // BLOCK + 1
+    out = {}
+    for name, max_rows in (("kernel", 1 << 30), ("dense", 0), ("auto", NATIVE_MAX_ROWS)):
+        set_max_rows(ours, max_rows)
+        paged = Paged(ours, num_blocks=rows * blocks_per_seq + 1)
+        paged.step([(0, list(range(1000, 1000 + NATIVE_CONTEXT)))])
+        for s in range(1, rows):
+            paged.clone_context(0, s)
+        out[name] = rows / timed(lambda: paged.step([(s, [1234]) for s in range(rows)]), warmup, steps)
+        del paged
+    set_max_rows(ours, NATIVE_MAX_ROWS)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
@@ -164,21 +200,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median)")
     parser.add_argument("--attention", default=None, help="our attention backend (default: config.toml's)")
     parser.add_argument("--linear", default=None, help="our linear backend: auto, onednn, torch (default: config.toml's)")
+    parser.add_argument("--weight-format", default=None, help="auto, dequantized, gguf (default: config.toml's)")
+    parser.add_argument("--skip-hf", action="store_true", help="only the native GGUF table")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (with --threads 1, the compute time even on a loaded machine)")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
 
     config = EngineConfig.load(Path(__file__).resolve().parent.parent / "config.toml")
     t0 = time.perf_counter()
     loaded = load_model("smollm2-135m", config.model.resolved_cache_dir())
     backend = get_backend(args.attention or config.model.attention_backend, torch.device("cpu"))
-    ours = LlamaModel(loaded.hf_model, backend, "cpu", args.linear or config.model.linear_backend)
+    ours = LlamaModel(loaded.hf_model, backend, "cpu", args.linear or config.model.linear_backend, loaded.gguf,
+                      args.weight_format or config.model.weight_format)
     print(
-        f"ours: {backend.name} attention, {ours.linear} linears; "
+        f"ours: {backend.name} attention, {ours.linear} linears, {ours.weight_format} weights; "
         f"model {loaded.name} ({sum(p.numel() for p in loaded.hf_model.parameters()) / 1e6:.0f}M params, fp32), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, HF attn "
         f"{loaded.hf_model.config._attn_implementation}; loaded in {time.perf_counter() - t0:.1f}s\n",
         flush=True,
     )
+
+    print(f"cpu: {cpu_info().describe()}; load 1m {os.getloadavg()[0]:.2f}; {args.clock} clock\n", flush=True)
+
+    if ours.weight_format == "gguf":
+        print(f"| decode rows per step (ctx {NATIVE_CONTEXT}) | dense fp32 tok/s | GGUF kernel tok/s | kernel/dense | "
+              f"auto (kernel <= {NATIVE_MAX_ROWS} rows) tok/s |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in NATIVE_ROWS:
+            t = bench_native(ours, r, warmup=2, steps=args.steps)
+            print(f"| {r} | {t['dense']:,.0f} | {t['kernel']:,.0f} | {t['kernel'] / t['dense']:.2f}x | {t['auto']:,.0f} |",
+                  flush=True)
+        print()
+    if args.skip_hf:
+        print(f"total {time.perf_counter() - t0:.0f}s")
+        return
 
     rows = []
     for n in PREFILL_LENS:

@@ -39,7 +39,8 @@ def real_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def ours(real_model: LoadedModel) -> LlamaModel:
-    return LlamaModel(real_model.hf_model, TorchAttention())
+    # weight_format "auto": the GGUF blocks run natively where the kernel builds (the default path)
+    return LlamaModel(real_model.hf_model, TorchAttention(), gguf=real_model.gguf)
 
 
 @pytest.fixture(scope="session")

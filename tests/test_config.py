@@ -57,6 +57,8 @@ def test_keyword_overrides():
         ({"port": True}, "port"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"linear_backend": "blas"}, "linear_backend"),
+        ({"weight_format": "q4"}, "weight_format"),
+        ({"weight_format": "gguf", "linear_backend": "int8"}, "weight_format"),
         ({"no_such_key": 1}, "no_such_key"),
         ({"router": "random"}, "router"),
         ({"replicas": -1}, "replicas"),

@@ -5,9 +5,12 @@
     engine-bench --workload spike --policies chunked --sweep max_num_batched_tokens=64,128,256,512,1024
     engine-bench --workload mixed --url http://127.0.0.1:8000        # any OpenAI-compatible server
     engine-bench --workload mixed --policies continuous --peer transformers-static,transformers-cb
+    engine-bench --workload single --policies chunked --peer llama.cpp --llama-server /path/to/llama-server
 
 In-process mode runs each policy on a fresh engine (same config otherwise, model loaded
-once), then each --peer: the same requests through transformers on the same model.
+once), then each --peer: the same requests through transformers on the same model, or
+through llama.cpp's llama-server on the same GGUF file (remote mode against a server the tool
+starts; see engine/bench/llama_server.py). results.json records the CPU (model, features).
 Results: a markdown table on stdout, results.json and PNG plots in --out.
 Workloads, metrics and the results.json schema: docs/bench.md.
 """
@@ -18,14 +21,16 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.bench import limit, peers, report, workload
+from engine.bench import limit, llama_server, peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
 from engine.config import EngineConfig, all_keys
+from engine.cpu import cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
 
@@ -47,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-itl-ms", type=float)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run the first policy once per value")
-    p.add_argument("--peer", metavar="NAME[,NAME]", help=f"in-process: also run {' / '.join(peers.PEERS)}")
+    p.add_argument("--peer", metavar="NAME[,NAME]",
+                   help=f"in-process: also run {' / '.join((*peers.PEERS, llama_server.NAME))}")
+    p.add_argument("--llama-server", metavar="PATH", help="--peer llama.cpp: the llama-server binary to start")
     p.add_argument("--peer-batch-size", type=int, default=16, help="transformers-static: requests per generate call")
     p.add_argument("--compute-limit", action="store_true",
                    help="in-process: measure the prefill rate and report each target's fraction of the compute limit")
@@ -97,11 +104,23 @@ def _peers(args) -> list[str]:
         return []
     if args.url or args.sweep:
         raise SystemExit("--peer runs transformers on the loaded model: in-process only, not with --url or --sweep")
+    names = [n.strip() for n in args.peer.split(",") if n.strip()]
     try:
         peers.PeerSettings(batch_size=args.peer_batch_size)
-        return peers.parse(args.peer)
+        others = [n for n in names if n != llama_server.NAME]
+        if others or not names:
+            peers.parse(",".join(others))
+        if llama_server.NAME in names:
+            llama_server.resolve_binary(args.llama_server)
+        return names
     except ValueError as e:
         raise SystemExit(f"--peer: {e}") from None
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _overrides(items: list[str]) -> dict:
@@ -132,6 +151,8 @@ async def _bench(args) -> dict:
         if args.model:
             base = base.with_overrides(model=args.model)
         loaded = load_model(base.model.model, base.model.resolved_cache_dir(), DTYPES[base.model.dtype])
+        if llama_server.NAME in peer_names and loaded.gguf is None:
+            raise SystemExit(f"--peer llama.cpp runs the model's GGUF file: {base.model.model!r} is not a GGUF model")
         vocab_size = args.vocab_size or len(loaded.tokenizer)
         policies = args.policies.split(",")
         if sweep:
@@ -142,10 +163,17 @@ async def _bench(args) -> dict:
         settings = peers.PeerSettings.from_engine(base, args.peer_batch_size)
         targets += [(name, None) for name in peer_names]  # None: a transformers peer, not an engine config
     requests = workload.make(args.workload, args.seed, args.num_requests, args.rate, vocab_size)
+    load_before = os.getloadavg()[0]
     for name, overrides in targets:
         bar = tqdm(total=len(requests), desc=name, unit="req", file=sys.stderr)
         if args.url:
             timings, duration = await run_remote(args.url, args.model, requests, args.api_key, lambda: bar.update())
+            steps, start = None, min(t.arrival for t in timings)
+        elif name == llama_server.NAME:
+            threads = base.model.num_threads or _torch_threads()
+            with llama_server.llama_server(llama_server.resolve_binary(args.llama_server), loaded.gguf, threads,
+                                           requests, base.scheduler.max_num_seqs, out_dir / "llama-server.log") as url:
+                timings, duration = await run_remote(url, None, requests, "", lambda: bar.update())
             steps, start = None, min(t.arrival for t in timings)
         elif overrides is None:
             run = await asyncio.to_thread(peers.run, name, loaded, requests, settings, lambda: bar.update())
@@ -161,7 +189,9 @@ async def _bench(args) -> dict:
             print(f"{name}: {len(failed)} of {len(timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
         results[name] = report.result(timings, duration, steps, args.slo_ttft_ms, args.slo_itl_ms)
         runs[name] = {"timings": timings, "steps": steps, "start": start}
-    summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results}
+    summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results,
+               # the machine running engine-bench (in-process: the engine's and the peers' CPU)
+               "cpu": cpu_info().as_dict(), "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
     if not args.url:
         summary["config"] = base.to_dict()
         summary.update(_ratios(results, peer_names))
@@ -203,6 +233,11 @@ def _ratios(results: dict[str, dict], peer_names: list[str]) -> dict:
             name: {p: _ratio(r["output_tokens_per_s"], results[p]["output_tokens_per_s"]) for p in peer_names}
             for name, r in results.items() if name not in peer_names
         }
+        # decode speed (1 / median time per output token after the first) over each peer's
+        out["decode_speed_over_peers"] = {
+            name: {p: _ratio(results[p].get("tpot_ms_p50"), r.get("tpot_ms_p50")) for p in peer_names}
+            for name, r in results.items() if name not in peer_names
+        }
     return out
 
 
@@ -220,10 +255,14 @@ async def _compute_limit(config, loaded, vocab_size: int, requests, results: dic
 def main(argv=None) -> None:
     args = parse_args(argv)
     summary = asyncio.run(_bench(args))
-    print(f"\nworkload {summary['workload']} (seed {summary['seed']}, {summary['num_requests']} requests)\n")
+    print(f"\nworkload {summary['workload']} (seed {summary['seed']}, {summary['num_requests']} requests)")
+    cpu = summary["cpu"]
+    print(f"cpu: {cpu['model']} ({', '.join(cpu['features']) or 'no SIMD features listed'}; "
+          f"{cpu['num_logical_cores']} cores); load 1m {summary['load_avg_1m']['start']:.2f} -> "
+          f"{summary['load_avg_1m']['end']:.2f}\n")
     print(report.table(summary["results"]))
     for key in ("continuous_over_static_throughput", "chunked_over_continuous", "throughput_over_peers",
-                "compute_limit"):
+                "decode_speed_over_peers", "compute_limit"):
         if key in summary:
             print(f"\n{key}: {json.dumps(summary[key], indent=None)}")
     print(f"\nwrote {args.out}/results.json" + (f" and {len(summary['plots'])} plot(s)" if summary["plots"] else ""))

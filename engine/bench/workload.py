@@ -10,6 +10,7 @@
 - spike-overlap: the hard case for chunked prefill: 12 streams, and two 2,000-token prompts
   both in flight at once — the first once the streams have received a quarter of their tokens,
   the second 0.5 s later. Each long prompt's TTFT shows whether a second prompt slows the first.
+- single: one user alone: one request, a 128-token prompt and 256 tokens out (decode speed).
 - sharegpt-like: prompt/output lengths drawn from log-normal fits to ShareGPT-style chat
   traffic (median prompt ~200, output ~150 tokens), no dataset download needed.
 - shared-prefix: 8 system prompts of 1,000 tokens shared by all requests, each request one of
@@ -105,9 +106,21 @@ def shared_prefix(
     return out
 
 
+def single(seed: int = 0, num_requests: int = 1, rate: float = 0.0, vocab: range = range(100, 20000),
+           prompt_len: int = 128, max_tokens: int = 256) -> list[BenchRequest]:
+    """`num_requests` (default 1) such requests; with rate > 0 they arrive one after another."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(num_requests):
+        if rate > 0 and i:
+            t += rng.expovariate(rate)
+        out.append(BenchRequest(_prompt(rng, prompt_len, vocab), max_tokens, t))
+    return out
+
+
 WORKLOADS = {
     "mixed": mixed, "spike": spike, "spike-overlap": spike_overlap, "sharegpt-like": sharegpt_like,
-    "shared-prefix": shared_prefix,
+    "shared-prefix": shared_prefix, "single": single,
 }
 
 

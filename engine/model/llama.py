@@ -10,6 +10,7 @@ rotate-half RoPE from the model's own rotary tables) so greedy output matches to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,16 +20,17 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.linear import Linear, resolve
+from engine.model.quant_linear import QuantLinear, native_weights
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [E]
-    qkv: Linear  # E -> (H + 2*KVH) * D, bias only for Qwen2
-    o: Linear  # H * D -> E
+    qkv: Linear | QuantLinear  # E -> (H + 2*KVH) * D, bias only for Qwen2
+    o: Linear | QuantLinear  # H * D -> E
     post_norm: torch.Tensor  # [E]
-    gate_up: Linear  # E -> 2 * I
-    down: Linear  # I -> E
+    gate_up: Linear | QuantLinear  # E -> 2 * I
+    down: Linear | QuantLinear  # I -> E
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class ModelShape:
 
 class LlamaModel:
     def __init__(
-        self, hf_model: PreTrainedModel, backend: AttentionBackend, device: torch.device | str = "cpu", linear: str = "auto"
+        self, hf_model: PreTrainedModel, backend: AttentionBackend, device: torch.device | str = "cpu", linear: str = "auto",
+        gguf: Path | None = None, weight_format: str = "auto",
     ):
         cfg = hf_model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -68,7 +71,10 @@ class LlamaModel:
         self.linear = resolve(linear, self.device, self.embed.dtype)
         # int8 stays inside the layers: the LM head picks the token, so it keeps full precision
         head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
-        self.lm_head = self._linear(hf_model.lm_head.weight, kind=head)  # E -> V
+        # GGUF blocks of the projections the native kernel runs, by id of the HF parameter (None: all dense)
+        self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.embed.dtype, self.linear)
+        self.weight_format = "gguf" if self._blocks is not None else "dequantized"
+        self.lm_head = self._linear([hf_model.lm_head.weight], kind=head)  # E -> V
         self.final_norm = self._own(inner.norm.weight)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
@@ -82,13 +88,19 @@ class LlamaModel:
         which can then be freed (and its memory-mapped weight file unmapped)."""
         return t.detach().to(self.device, copy=True)
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str | None = None) -> Linear:
-        """A projection on our device, stored for `kind` (default: the model's linear backend)."""
-        return Linear(weight.detach().to(self.device), bias, kind or self.linear)
+    def _linear(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None, kind: str | None = None):
+        """A projection on our device from `weights` stacked by rows, stored for `kind` (default:
+        the model's linear backend); on the GGUF blocks as well where they are kept."""
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        dense = Linear(weight.detach().to(self.device), bias, kind or self.linear)
+        blocks = None if self._blocks is None else [self._blocks.get(id(w)) for w in weights]
+        if blocks is None or None in blocks or len({b.qtype for b in blocks}) > 1:
+            return dense
+        return QuantLinear(blocks, bias, dense)
 
     def _take_layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
         bias = None
         if attn.q_proj.bias is not None:
             bias = self._own(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
@@ -97,10 +109,10 @@ class LlamaModel:
         return LayerWeights(
             input_norm=self._own(layer.input_layernorm.weight),
             qkv=self._linear(qkv, bias),
-            o=self._linear(attn.o_proj.weight),
+            o=self._linear([attn.o_proj.weight]),
             post_norm=self._own(layer.post_attention_layernorm.weight),
-            gate_up=self._linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            down=self._linear(mlp.down_proj.weight),
+            gate_up=self._linear([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            down=self._linear([mlp.down_proj.weight]),
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ class LoadedModel:
     hf_model: PreTrainedModel  # the transformers model; our forward takes its weights
     tokenizer: object
     name: str
+    gguf: Path | None = None  # the GGUF file the weights came from (its blocks can run natively)
 
 
 def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -48,10 +49,10 @@ def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -
         return LoadedModel(tiny_llama().to(dtype), tiny_tokenizer(), "tiny-random")
     if spec == DEFAULT_MODEL:
         gguf = locate_wheel_gguf()
-        return _load_hf_dir(convert_gguf(gguf, cache_dir), dtype, name="SmolLM2-135M-Instruct")
+        return _load_hf_dir(convert_gguf(gguf, cache_dir), dtype, name="SmolLM2-135M-Instruct", gguf=gguf)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_hf_dir(convert_gguf(path, cache_dir), dtype, name=path.stem)
+        return _load_hf_dir(convert_gguf(path, cache_dir), dtype, name=path.stem, gguf=path)
     if path.is_dir():
         return _load_hf_dir(path, dtype, name=path.name)
     raise ModelLoadError(
@@ -127,7 +128,7 @@ def _save_plain(model: PreTrainedModel, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = None) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
     config = AutoConfig.from_pretrained(str(path))
@@ -139,4 +140,4 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         )
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return LoadedModel(model, tokenizer, name)
+    return LoadedModel(model, tokenizer, name, gguf)

@@ -15,6 +15,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.bench import cli, peers, workload
+from engine.cpu import cpu_info
 from engine.bench.arrivals import Arrivals
 from engine.bench.workload import BenchRequest
 from engine.request import SamplingParams
@@ -160,6 +161,8 @@ def test_cli_runs_peers_after_the_policies(tmp_path):
               "--peer", "transformers-static,transformers-cb", "--compute-limit", "--no-plots", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "results.json").read_text())
     assert list(summary["results"]) == ["continuous", "transformers-static", "transformers-cb"]
+    assert summary["cpu"] == cpu_info().as_dict() and summary["load_avg_1m"]["start"] >= 0  # which machine
+    assert set(summary["decode_speed_over_peers"]["continuous"]) == {"transformers-static", "transformers-cb"}
     over = summary["throughput_over_peers"]["continuous"]
     cont = summary["results"]["continuous"]["output_tokens_per_s"]
     for p in ("transformers-static", "transformers-cb"):

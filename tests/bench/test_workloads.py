@@ -35,6 +35,13 @@ def test_mixed_lengths():
     assert len({r.max_tokens for r in reqs}) > 10  # varied, not constant
 
 
+def test_single_is_one_user():
+    (r,) = make("single", seed=0)
+    assert (len(r.prompt_token_ids), r.max_tokens, r.arrival_s, r.after_tokens) == (128, 256, 0.0, 0)
+    reqs = make("single", seed=0, num_requests=3, rate=2.0)
+    assert len(reqs) == 3 and reqs[0].arrival_s == 0.0 and reqs[1].arrival_s < reqs[2].arrival_s
+
+
 def test_spike_shape():
     reqs = make("spike", seed=0)
     steady = [r for r in reqs if r.tag == "steady"]

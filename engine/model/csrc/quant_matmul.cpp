@@ -1,0 +1,148 @@
+// y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations
+// and fp32 accumulation, plus the dequantization itself. Built at first use by
+// engine/model/quant_kernel.py; registers torch.ops.stepwise_gguf.{matmul,dequantize}.
+//
+// One build serves every x86-64 CPU: the kernel body (quant_matmul_impl.h) is compiled three
+// times, for AVX-512, for AVX2+FMA (target pragmas, never -march=native) and portably (the
+// compiler's baseline), and the caller picks one with `isa` from the CPU's features
+// (0 = portable, 1 = AVX2, 2 = AVX-512), so a test can force any path the CPU can run.
+// Work is split over output rows with at::parallel_for (torch's intra-op threads).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ggml's type ids
+constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
+constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
+constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
+
+constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
+
+struct Job {
+  const float* x;
+  int64_t ldx, T;
+  const uint8_t* blocks;
+  int64_t N, row_bytes, K;
+  float* out;
+  int64_t ldo;
+  int qtype;
+};
+
+namespace portable {
+constexpr int SW = 4;
+#define STEPWISE_SW 4
+#include "quant_matmul_impl.h"
+#undef STEPWISE_SW
+}  // namespace portable
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define STEPWISE_X86 1
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+constexpr int SW = 8;
+#define STEPWISE_SW 8
+#include "quant_matmul_impl.h"
+#undef STEPWISE_SW
+}  // namespace avx2
+#ifdef __clang__
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+namespace avx512 {
+constexpr int SW = 16;
+#define STEPWISE_SW 16
+#include "quant_matmul_impl.h"
+#undef STEPWISE_SW
+}  // namespace avx512
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype,
+              " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(K > 0 && K % 32 == 0, "stepwise_gguf: K = ", K, " is not a multiple of the block size 32");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(), "stepwise_gguf: blocks must be a contiguous uint8 CPU tensor [N, row bytes]");
+  TORCH_CHECK(blocks.size(1) == K / 32 * block_bytes(int(qtype)), "stepwise_gguf: rows of ", blocks.size(1),
+              " bytes do not hold K = ", K, " weights of type ", qtype);
+#ifdef STEPWISE_X86
+  TORCH_CHECK(isa >= 0 && isa <= 2, "stepwise_gguf: isa must be 0 (portable), 1 (avx2) or 2 (avx512)");
+#else
+  TORCH_CHECK(isa == 0, "stepwise_gguf: only the portable path exists on this architecture");
+#endif
+}
+
+// x [T, K] float32 (rows may be strided, K contiguous), blocks [N, K/32 * block bytes] uint8,
+// out [T, N] float32 (written; K-contiguous rows).
+void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+  check_blocks(blocks, qtype, K, isa);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
+                  x.stride(1) == 1, "stepwise_gguf.matmul: x must be float32 [T, K] with contiguous rows");
+  const int64_t T = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == N &&
+                  out.stride(1) == 1, "stepwise_gguf.matmul: out must be float32 [T, N] with contiguous rows");
+  if (T == 0 || N == 0) return;
+  const Job job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
+                out.data_ptr<float>(), out.stride(0), int(qtype)};
+  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> panel(PANEL * K);
+    const int64_t n0 = p0 * PANEL, n1 = std::min(N, p1 * PANEL);
+#ifdef STEPWISE_X86
+    if (isa == 2) return avx512::matmul(job, n0, n1, panel.data());
+    if (isa == 1) return avx2::matmul(job, n0, n1, panel.data());
+#endif
+    portable::matmul(job, n0, n1, panel.data());
+  });
+}
+
+// blocks [N, row bytes] -> out [N, K] float32 (written, contiguous).
+void dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+  check_blocks(blocks, qtype, K, isa);
+  const int64_t N = blocks.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                  out.size(1) == K, "stepwise_gguf.dequantize: out must be contiguous float32 [N, K]");
+  const Job job{nullptr, 0, 0, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K, out.data_ptr<float>(), K, int(qtype)};
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+#ifdef STEPWISE_X86
+    if (isa == 2) return avx512::dequant(job, n0, n1);
+    if (isa == 1) return avx2::dequant(job, n0, n1);
+#endif
+    portable::dequant(job, n0, n1);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stepwise_gguf, m) {
+  m.def("matmul(Tensor x, Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
+  m.def("dequantize(Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
+  m.impl("matmul", c10::DispatchKey::CPU, TORCH_FN(matmul));
+  m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
+}

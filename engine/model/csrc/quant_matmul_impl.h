@@ -1,0 +1,213 @@
+// The body of the GGUF block kernels for one instruction set. quant_matmul.cpp includes this
+// file once per ISA, each time inside its own namespace, under a target pragma, with SW (fp32
+// lanes per vector) defined: 16 for AVX-512, 8 for AVX2+FMA, 4 for the portable build. The
+// code is GCC/Clang vector extensions, so the compiler maps it onto the registers that target
+// has (one zmm, one ymm, or an SSE2/scalar sequence).
+//
+// Block layouts (32 weights each, ggml's): Q4_0 = fp16 d, 16 bytes of nibbles, w = (q - 8) d;
+// Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles, w = q d + m; Q8_0 = fp16 d, 32 int8, w = q d.
+// Nibble j of a block is the low half of byte j (weights 0..15), the high half is weight j+16.
+// Every product q*d is exact in fp32 (at most 8 + 11 significant bits), so whether the
+// compiler fuses "q*d + m" or not, a dequantized weight equals gguf's numpy dequantization.
+
+using vf = float __attribute__((vector_size(SW * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int j = 0; j < SW; ++j) s += v[j];
+  return s;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if STEPWISE_SW > 4
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+constexpr int NV = 32 / SW;  // vectors per block
+
+// One block (32 weights) -> w[0..NV-1], SW weights each, in order.
+template <int QT>
+inline void dequant_block(const uint8_t* b, vf* w) {
+  const float d = half(b);
+#if STEPWISE_SW == 16
+  if constexpr (QT == Q8_0) {
+    for (int h = 0; h < 2; ++h)
+      w[h] = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * h)))),
+                               _mm512_set1_ps(d));
+  } else {
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    if constexpr (QT == Q4_1) {
+      const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(half(b + 2));
+      w[0] = (vf)_mm512_fmadd_ps(lo, dv, mv), w[1] = (vf)_mm512_fmadd_ps(hi, dv, mv);
+    } else {  // gguf's order: (q - 8) * d
+      const __m512 dv = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.f);
+      w[0] = (vf)_mm512_mul_ps(_mm512_sub_ps(lo, eight), dv), w[1] = (vf)_mm512_mul_ps(_mm512_sub_ps(hi, eight), dv);
+    }
+  }
+#elif STEPWISE_SW == 8
+  if constexpr (QT == Q8_0) {
+    for (int h = 0; h < 4; ++h)
+      w[h] = (vf)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * h)))),
+                               _mm256_set1_ps(d));
+  } else {
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + (QT == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    const __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+    const __m256 dv = _mm256_set1_ps(d);
+    if constexpr (QT == Q4_1) {
+      const __m256 mv = _mm256_set1_ps(half(b + 2));
+      for (int h = 0; h < 4; ++h) w[h] = (vf)_mm256_fmadd_ps(f[h], dv, mv);
+    } else {  // gguf's order: (q - 8) * d
+      for (int h = 0; h < 4; ++h) w[h] = (vf)_mm256_mul_ps(_mm256_sub_ps(f[h], _mm256_set1_ps(8.f)), dv);
+    }
+  }
+#else
+  float tmp[32];
+  if constexpr (QT == Q8_0) {
+    for (int j = 0; j < 32; ++j) tmp[j] = float(int8_t(b[2 + j])) * d;
+  } else {
+    const uint8_t* q = b + (QT == Q4_1 ? 4 : 2);
+    const float m = QT == Q4_1 ? half(b + 2) : 0.f;
+    for (int j = 0; j < 16; ++j) {
+      const float lo = float(q[j] & 15), hi = float(q[j] >> 4);
+      tmp[j] = QT == Q4_1 ? lo * d + m : (lo - 8.f) * d;
+      tmp[j + 16] = QT == Q4_1 ? hi * d + m : (hi - 8.f) * d;
+    }
+  }
+  std::memcpy(w, tmp, sizeof tmp);
+#endif
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+template <int QT>
+void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t K, float* out, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      vf w[NV];
+      dequant_block<QT>(blocks + n * row_bytes + b * block_bytes(QT), w);
+      for (int v = 0; v < NV; ++v) store(out + n * K + b * 32 + v * SW, w[v]);
+    }
+}
+
+// out[t, n] = x[t, :] . w[n, :] for MR rows of x and NR (dequantized, fp32) rows of w.
+template <int MR, int NR>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  vf acc[MR][NR] = {};
+  for (int64_t k = 0; k < K; k += SW) {
+    vf wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const vf xv = load(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = hsum(acc[i][j]);
+}
+
+// All T rows of x against NR panel rows: tiles of 4 rows, then the 1-3 left over.
+template <int NR>
+inline void rows_x_panel(const float* x, int64_t ldx, int64_t T, const float* w, int64_t K, float* out, int64_t ldo) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) micro<4, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo);
+  switch (T - t) {
+    case 3: micro<3, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo); break;
+    case 2: micro<2, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo); break;
+    case 1: micro<1, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// Few rows of x (decode): weights dequantized into registers and used at once, no panel.
+// Two accumulators per (row, weight row) pair keep two FMA chains in flight.
+template <int QT, int MR, int NR>
+inline void direct(const Job& a, int64_t t, int64_t n) {
+  vf acc[MR][NR][2] = {};
+  const int64_t nb = a.K / 32;
+  // The NR rows are one contiguous run of bytes; while it is read, the run PREFETCH_GROUPS
+  // runs ahead is requested line by line (there is little memory-level parallelism
+  // otherwise: each block takes more arithmetic than the hardware prefetcher's look-ahead).
+  const uint8_t* group = a.blocks + n * a.row_bytes;
+  const int64_t group_bytes = NR * a.row_bytes, ahead = PREFETCH_GROUPS * group_bytes;
+  const uint8_t* end = a.blocks + a.N * a.row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = b * group_bytes / nb; off < (b + 1) * group_bytes / nb; off += 64)
+      if (group + ahead + off < end) __builtin_prefetch(group + ahead + off, 0, 0);
+    for (int j = 0; j < NR; ++j) {
+      vf w[NV];
+      dequant_block<QT>(a.blocks + (n + j) * a.row_bytes + b * block_bytes(QT), w);
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][j][v & 1] += load(a.x + (t + i) * a.ldx + b * 32 + v * SW) * w[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) a.out[(t + i) * a.ldo + n + j] = hsum(acc[i][j][0] + acc[i][j][1]);
+}
+
+template <int QT, int MR, int NR>
+inline void direct_rows(const Job& a, int64_t t, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) direct<QT, MR, NR>(a, t, n);
+  for (; n < n1; ++n) direct<QT, MR, 1>(a, t, n);
+}
+
+template <int QT>
+void direct_all(const Job& a, int64_t n0, int64_t n1) {
+  switch (a.T) {
+    case 1: return direct_rows<QT, 1, 4>(a, 0, n0, n1);
+    case 2: return direct_rows<QT, 2, 2>(a, 0, n0, n1);
+    default: return direct_rows<QT, 3, 1>(a, 0, n0, n1);
+  }
+}
+
+// Output rows [n0, n1) of y = x . dequant(W)^T. Panels of PANEL weight rows are dequantized
+// into `panel` (fp32, stays in L1/L2) and multiplied by every row of x; the weight bytes are
+// read from memory once per step whatever the row count.
+template <int QT>
+void matmul_rows(const Job& a, int64_t n0, int64_t n1, float* panel) {
+  if (a.T <= DIRECT_MAX_ROWS) return direct_all<QT>(a, n0, n1);
+  const int64_t K = a.K;
+  for (int64_t p = n0; p < n1; p += PANEL) {
+    const int64_t rows = std::min<int64_t>(PANEL, n1 - p);
+    dequant_rows<QT>(a.blocks + p * a.row_bytes, a.row_bytes, K, panel, 0, rows);
+    int64_t j = 0;
+    for (; j + 2 <= rows; j += 2) rows_x_panel<2>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
+    if (j < rows) rows_x_panel<1>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
+  }
+}
+
+inline void matmul(const Job& a, int64_t n0, int64_t n1, float* panel) {
+  switch (a.qtype) {
+    case Q4_0: return matmul_rows<Q4_0>(a, n0, n1, panel);
+    case Q4_1: return matmul_rows<Q4_1>(a, n0, n1, panel);
+    default: return matmul_rows<Q8_0>(a, n0, n1, panel);
+  }
+}
+
+inline void dequant(const Job& a, int64_t n0, int64_t n1) {
+  switch (a.qtype) {
+    case Q4_0: return dequant_rows<Q4_0>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
+    case Q4_1: return dequant_rows<Q4_1>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
+    default: return dequant_rows<Q8_0>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
+  }
+}

@@ -1,0 +1,103 @@
+"""The quantized blocks of a GGUF file, by Hugging Face parameter name, for the native path.
+
+transformers dequantizes a GGUF into fp32 (engine/model/loader.py keeps that for everything
+else); here the projection weights are read again as they are stored, with gguf's GGUFReader,
+and kept as blocks for engine/model/quant_kernel.py. Each weight is [N, K/32 * block bytes]
+uint8: one row of blocks per output row, so rows can be reordered or concatenated freely.
+
+Llama GGUFs store q_proj / k_proj with llama.cpp's RoPE permutation of the rows (within each
+head, the two halves interleaved); transformers' loader reverses it, and so do we, row-wise,
+so that our rows are transformers' rows (checked bit for bit in tests/model/test_gguf_weights.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.quant_kernel import KERNEL_TYPES
+
+# GGUF tensor name (per layer: blk.{i}.<name>) -> transformers parameter name
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+ARCHITECTURES = ("llama", "qwen2")  # GGUF archs whose projections map 1:1 onto ours
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    blocks: torch.Tensor  # [N, K/32 * block bytes] uint8
+    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
+    gguf_name: str
+
+    @property
+    def num_rows(self) -> int:
+        return self.blocks.shape[0]
+
+
+@dataclass(frozen=True)
+class GgufWeights:
+    runnable: dict[str, QuantWeight]  # HF parameter name -> blocks the kernel runs
+    other: dict[str, tuple[str, str]]  # HF parameter name -> (GGUF name, type) it does not run
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def rope_unpermute(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: new row (h, half, i) = old (h, i, half)."""
+    dim = num_rows // num_heads // 2
+    return torch.arange(num_rows).reshape(num_heads, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> GgufWeights:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path.name}: GGUF architecture {arch!r} has no native path (supported: {ARCHITECTURES})")
+    runnable, other = {}, {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in KERNEL_TYPES:
+            other[name] = (t.name, qtype)
+            continue
+        blocks = torch.from_numpy(np.array(t.data, copy=True)).reshape(int(t.shape[1]), -1)  # out of the map
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
+            blocks = blocks[rope_unpermute(blocks.shape[0], heads)].contiguous()
+        runnable[name] = QuantWeight(blocks, qtype, t.name)
+    if "lm_head.weight" not in runnable and "lm_head.weight" not in other:  # tied to the embedding
+        if "model.embed_tokens.weight" in runnable:
+            runnable["lm_head.weight"] = runnable["model.embed_tokens.weight"]
+        elif "model.embed_tokens.weight" in other:
+            other["lm_head.weight"] = other["model.embed_tokens.weight"]
+    del reader  # unmaps the file: every kept block was copied out of it
+    if other:
+        kinds = Counter(qtype for _, qtype in other.values())
+        print(f"[stepwise] {path.name}: {sum(kinds.values())} weight(s) of type(s) "
+              f"{', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))} have no native kernel "
+              f"(it runs {', '.join(KERNEL_TYPES)}): those run dequantized to fp32", file=sys.stderr)
+    return GgufWeights(runnable, other)

@@ -1,0 +1,85 @@
+"""The GGUF block kernel: y = x · dequant(W)ᵀ on Q4_0 / Q4_1 / Q8_0 blocks, in C++ (csrc/).
+
+fp32 activations, weights dequantized inside the kernel (exactly as the gguf package does),
+fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
+instead of 4 (fp32), and CPU decoding is memory-bound.
+
+One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "portable";
+`best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
+(the ISA-specific functions carry target pragmas; -march=native would make the portable path
+use instructions another CPU sharing the extensions directory lacks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from engine.cpp_build import KernelLoader, build_extension
+from engine.cpu import cpu_info
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "quant_matmul.cpp", _CSRC / "quant_matmul_impl.h"]
+
+# ggml type ids (gguf.GGMLQuantizationType) the kernel runs, with their block size in bytes
+KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK = 32  # weights per block
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
+_ISA_FEATURES = {"portable": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw")}
+
+
+def _build() -> None:
+    # torch rebuilds when the .cpp changes, not the header it includes: key the build by both
+    tag = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:8]
+    build_extension("stepwise_gguf_matmul", [_SOURCES[0]], [(tag, ["-O3", "-ffp-contract=fast"])],
+                    "GGUF matmul kernel")
+
+
+_KERNEL = KernelLoader(_build, lambda: torch.ops.stepwise_gguf, "GGUF matmul kernel")
+
+
+def quant_kernel_available() -> bool:
+    return _KERNEL.available()
+
+
+def require_kernel() -> None:
+    """Build the kernel now; raise RuntimeError with the compiler's complaint if it fails."""
+    _KERNEL.get()
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU can run the `isa` path of the kernel."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel path {isa!r}; choose from {tuple(ISAS)}")
+    return all(cpu_info().has(f) for f in _ISA_FEATURES[isa])
+
+
+def best_isa() -> str:
+    return next(isa for isa in ("avx512", "avx2", "portable") if isa_supported(isa))
+
+
+def _isa_id(isa: str | None) -> int:
+    isa = isa or best_isa()
+    if not isa_supported(isa):
+        raise ValueError(f"this CPU ({cpu_info().describe()}) cannot run the {isa!r} kernel path")
+    return ISAS[isa]
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
+    """x: [T, K] float32, blocks: [N, K/32 * block bytes] uint8 -> [T, N] float32."""
+    type_id, nbytes = KERNEL_TYPES[qtype]
+    k = blocks.shape[1] // nbytes * BLOCK
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    _KERNEL.get().matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
+    return out
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
+    """blocks: [N, K/32 * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
+    type_id, nbytes = KERNEL_TYPES[qtype]
+    k = blocks.shape[1] // nbytes * BLOCK
+    out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    _KERNEL.get().dequantize(blocks, type_id, k, _isa_id(isa), out)
+    return out

@@ -1,0 +1,74 @@
+"""A projection on GGUF blocks: the block kernel for few rows, a dense fp32 GEMM for many.
+
+A decode-heavy step reads each weight once and does little arithmetic per byte, so the
+~0.6-1.1 byte/weight blocks (engine/model/quant_kernel.py) beat 4-byte fp32 weights. A step
+with many rows is compute-bound, where oneDNN's prepacked fp32 GEMM is faster than our kernel;
+above `max_rows` rows the dense copy runs. Both give the same products (dequantization is
+exact), so the choice changes only the order of fp32 additions, never greedy text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import WEIGHT_FORMATS
+from engine.model import quant_kernel
+from engine.model.gguf_weights import QuantWeight, read_gguf_weights
+from engine.model.linear import Linear
+
+# Steps of up to this many rows use the block kernel: the crossover with oneDNN's fp32 GEMM
+# lies between 16 and 32 rows (examples/bench_forward.py --clock cpu, whole forward, and the
+# projections alone, on an AVX2-only AMD EPYC; not yet measured on an AVX-512 CPU).
+NATIVE_MAX_ROWS = 16
+
+
+class QuantLinear:
+    kind = "gguf"
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, dense: Linear | None,
+                 max_rows: int = NATIVE_MAX_ROWS, isa: str | None = None):
+        # parts: row blocks of one type, stacked in order (fused q/k/v, gate/up); bias: [N] or None
+        if len({p.qtype for p in parts}) != 1:
+            raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
+        self.qtype = parts[0].qtype
+        self.blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks  # [N, bytes]
+        self.bias = bias
+        self.dense = dense  # None: every step runs the kernel
+        self.max_rows = max_rows
+        self.isa = isa or quant_kernel.best_isa()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        if self.dense is not None and x.shape[0] > self.max_rows:
+            return self.dense(x)
+        y = quant_kernel.matmul(x, self.blocks, self.qtype, self.isa)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torch.device, dtype: torch.dtype,
+                   linear: str) -> dict[int, QuantWeight] | None:
+    """The blocks of `hf_model`'s projections to run natively, keyed by id() of the parameter,
+    or None where weight_format (config.toml [model]) resolves to dequantized fp32."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight_format {weight_format!r}; choose from {WEIGHT_FORMATS}")
+    if weight_format == "dequantized":
+        return None
+    usable = gguf is not None and device.type == "cpu" and dtype == torch.float32 and linear != "int8"
+    if weight_format == "auto" and not (usable and quant_kernel.quant_kernel_available()):
+        return None
+    if gguf is None:
+        raise ValueError("weight_format 'gguf' needs a .gguf model (this one has no GGUF blocks); use 'auto' or 'dequantized'")
+    if not usable:
+        raise ValueError(f"weight_format 'gguf' runs on CPU with float32 activations and a dense linear backend "
+                         f"(got {device.type}, {dtype}, linear_backend {linear!r})")
+    quant_kernel.require_kernel()
+    cfg = hf_model.config
+    found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    params = dict(hf_model.named_parameters(remove_duplicate=False))
+    if weight_format == "gguf":
+        for name, (gguf_name, qtype) in found.other.items():
+            if name in params:
+                raise ValueError(f"weight_format 'gguf': tensor {gguf_name} is {qtype}, which the native kernel cannot "
+                                 f"run (it runs {', '.join(quant_kernel.KERNEL_TYPES)}); use 'auto' to run it dequantized")
+    return {id(params[name]): w for name, w in found.runnable.items() if name in params}

@@ -1,0 +1,139 @@
+"""Native GGUF weights: blocks read by HF name equal transformers' dequantized weights bit for
+bit (q/k rows unpermuted), the native forward keeps greedy parity, and weight_format errors
+name the tensor and type it cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+
+from engine.attention.torch_backend import TorchAttention
+from engine.model import quant_kernel
+from engine.model.gguf_weights import read_gguf_weights, rope_unpermute
+from engine.model.llama import LlamaModel
+from engine.model.loader import LoadedModel
+from engine.model.quant_linear import QuantLinear, native_weights
+from engine.model.tiny import tiny_llama, tiny_tokenizer
+from tests.model.test_parity import assert_greedy_parity
+from tests.paged import PagedRunner
+
+kernel = pytest.mark.skipif(not quant_kernel.quant_kernel_available(), reason="the C++ GGUF kernel does not build here")
+
+# tiny-model projection -> (GGUF name, type): every kernel type, and q/k permuted as llama.cpp does
+TINY_TYPES = {"self_attn.q_proj": ("attn_q", "Q8_0"), "self_attn.k_proj": ("attn_k", "Q8_0"),
+              "self_attn.v_proj": ("attn_v", "Q8_0"), "self_attn.o_proj": ("attn_output", "Q4_0"),
+              "mlp.gate_proj": ("ffn_gate", "Q4_1"), "mlp.up_proj": ("ffn_up", "Q4_1"),
+              "mlp.down_proj": ("ffn_down", "Q8_0")}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (what we must undo)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, types=TINY_TYPES) -> LoadedModel:
+    """A tiny Llama as a GGUF file, and the same model with its weights set to the file's
+    dequantized values (what transformers would load from it)."""
+    model = tiny_llama().eval()
+    cfg = model.config
+    writer = GGUFWriter(str(path), "llama")
+    params = dict(model.named_parameters())
+    tensors = {"token_embd.weight": ("model.embed_tokens.weight", "Q8_0", None)}
+    for i in range(cfg.num_hidden_layers):
+        for hf, (short, qtype) in types.items():
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(short)
+            tensors[f"blk.{i}.{short}.weight"] = (f"model.layers.{i}.{hf}.weight", qtype, heads)
+    for gguf_name, (hf, qtype, heads) in tensors.items():
+        w = params[hf].detach().numpy()
+        stored = llama_cpp_permute(w, heads) if heads else w
+        kind = GGMLQuantizationType[qtype]
+        data = quantize(stored, kind) if qtype != "F16" else stored.astype(np.float16)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)
+        back = dequantize(data, kind).astype(np.float32).reshape(w.shape)
+        if heads:
+            back = back[rope_unpermute(w.shape[0], heads).numpy()]
+        with torch.no_grad():
+            params[hf].copy_(torch.from_numpy(back))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return LoadedModel(model, tiny_tokenizer(), "tiny-gguf", path)
+
+
+def test_rope_unpermute_undoes_llama_cpp_permute():
+    w = np.arange(48 * 3).reshape(48, 3)
+    for heads in (1, 2, 4):
+        got = llama_cpp_permute(w, heads)[rope_unpermute(48, heads).numpy()]
+        np.testing.assert_array_equal(got, w)
+
+
+@kernel
+def test_tiny_gguf_blocks_equal_the_dequantized_weights(tmp_path):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cfg = loaded.hf_model.config
+    found = read_gguf_weights(loaded.gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    params = dict(loaded.hf_model.named_parameters(remove_duplicate=False))
+    assert set(found.runnable) == set(params) - {n for n in params if "norm" in n} and not found.other
+    for name, w in found.runnable.items():
+        torch.testing.assert_close(quant_kernel.dequantize(w.blocks, w.qtype), params[name].detach(), rtol=0, atol=0)
+
+
+@kernel
+def test_tiny_gguf_native_greedy_matches_hf_and_dense(tmp_path):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    native = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf")
+    assert native.weight_format == "gguf"
+    assert all(isinstance(p, QuantLinear) for p in (native.lm_head, native.layers[0].qkv, native.layers[1].down))
+    assert native.layers[0].o.qtype == "Q4_0" and native.layers[0].gate_up.qtype == "Q4_1"
+    for text in ("hello world", "The quick brown fox"):
+        assert_greedy_parity(loaded, native, loaded.tokenizer(text)["input_ids"])
+    dense = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized")
+    assert dense.weight_format == "dequantized"
+    prompt = list(range(3, 12))
+    # one token at a time: every step runs the block kernel
+    assert PagedRunner(native, num_blocks=8).greedy(0, prompt, 12) == PagedRunner(dense, num_blocks=8).greedy(0, prompt, 12)
+
+
+@kernel
+def test_a_type_without_kernel_is_named_or_runs_dequantized(tmp_path, capsys):
+    types = dict(TINY_TYPES, **{"self_attn.k_proj": ("attn_k", "F16")})
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf", types)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"blk\.\d\.attn_k\.weight is F16"):
+        native_weights(loaded.hf_model, loaded.gguf, "gguf", cpu, torch.float32, "onednn")
+    auto = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf)
+    assert "F16 x2" in capsys.readouterr().err  # says which weights run dequantized
+    assert not isinstance(auto.layers[0].qkv, QuantLinear)  # k is F16: the fused qkv is dense
+    assert isinstance(auto.layers[0].gate_up, QuantLinear)
+    assert_greedy_parity(loaded, auto, loaded.tokenizer("hello world")["input_ids"])
+
+
+def test_gguf_format_needs_a_gguf_model_on_cpu_float32(tiny_model):
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        native_weights(tiny_model.hf_model, None, "gguf", cpu, torch.float32, "onednn")
+    assert native_weights(tiny_model.hf_model, None, "auto", cpu, torch.float32, "onednn") is None
+    with pytest.raises(ValueError, match="float32"):
+        native_weights(tiny_model.hf_model, tiny_model.gguf or "x.gguf", "gguf", cpu, torch.bfloat16, "torch")
+    with pytest.raises(ValueError, match="unknown weight_format"):
+        native_weights(tiny_model.hf_model, None, "q4", cpu, torch.float32, "onednn")
+
+
+@pytest.mark.real_model
+@kernel
+def test_real_blocks_equal_transformers_weights(real_model):
+    cfg = real_model.hf_model.config
+    found = read_gguf_weights(real_model.gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    params = dict(real_model.hf_model.named_parameters(remove_duplicate=False))
+    assert not found.other and len(found.runnable) == 30 * 7 + 2  # projections, embedding, tied head
+    assert {w.qtype for w in found.runnable.values()} == {"Q4_1", "Q8_0"}
+    for name, w in found.runnable.items():
+        assert torch.equal(quant_kernel.dequantize(w.blocks, w.qtype), params[name].detach()), name
+
+
+@pytest.mark.real_model
+def test_real_model_runs_native_by_default(ours):
+    assert ours.weight_format == ("gguf" if quant_kernel.quant_kernel_available() else "dequantized")
