@@ -20,17 +20,11 @@ import aiohttp
 from engine import Engine, EngineConfig
 from frontends.http import HttpFrontend
 from frontends.http.state import STATE
-from tests.frontends.conftest import sse_events  # noqa: F401  (re-exported for the reliability tests)
+from tests.frontends.conftest import sse_events, tiny_config  # noqa: F401  (re-exported for the reliability tests)
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=64, chunk_size=32,
-            port=0)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-def tiny_config(**overrides) -> EngineConfig:
-    return EngineConfig.load(None, **{**TINY, **overrides})
 
 
 def load_soak():
