@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-
-import aiohttp
 
 from engine import Engine, EngineConfig
 from frontends.http import HttpFrontend
@@ -157,14 +154,3 @@ async def assert_no_leaks(engine: Engine, frontend: HttpFrontend, timeout: float
     figures = engine.block_manager.figures
     assert figures.usage == 0 and figures.num_owners == 0 and figures.num_free_blocks == figures.num_blocks
 
-
-@contextmanager
-def timer() -> Any:
-    t = {"start": time.perf_counter()}
-    yield t
-    t["elapsed"] = time.perf_counter() - t["start"]
-
-
-async def post_json(session: aiohttp.ClientSession, url: str, body: dict, **kw) -> tuple[int, Any]:
-    async with session.post(url, json=body, **kw) as resp:
-        return resp.status, await resp.json(content_type=None)
