@@ -183,32 +183,28 @@ async def test_http_source_state_404_keeps_the_stream(server):
         await source.close()
 
 
-async def test_http_source_wrong_contract_is_a_clear_disconnect():
-    srv = FakeServer(free_port(), raw_frames=[b'data: {"type": "step", "n": 1}\n\n'])
+async def disconnect_reason(raw_frames: list[bytes]) -> str:
+    """Why HttpSource drops a server that sends these frames first."""
+    srv = FakeServer(free_port(), raw_frames=raw_frames)
     await srv.start()
     source = HttpSource(f"http://127.0.0.1:{srv.port}")
     events = follow(source, state_interval_s=0.01, backoff=Backoff(0.05))
     try:
         async with contextlib.aclosing(events):
-            ev = await next_of(events, Disconnected)
-            assert "server sent a step this monitor cannot read" in ev.reason
+            return (await next_of(events, Disconnected)).reason
     finally:
         await source.close()
         await srv.stop()
+
+
+async def test_http_source_wrong_contract_is_a_clear_disconnect():
+    reason = await disconnect_reason([b'data: {"type": "step", "n": 1}\n\n'])
+    assert "server sent a step this monitor cannot read" in reason
 
 
 async def test_http_source_endless_event_is_a_clear_disconnect():
-    srv = FakeServer(free_port(), raw_frames=[b"data: " + b"x" * (sse.MAX_EVENT_BYTES + 1)])
-    await srv.start()
-    source = HttpSource(f"http://127.0.0.1:{srv.port}")
-    events = follow(source, state_interval_s=0.01, backoff=Backoff(0.05))
-    try:
-        async with contextlib.aclosing(events):
-            ev = await next_of(events, Disconnected)
-            assert f"an event over {sse.MAX_EVENT_BYTES} bytes" in ev.reason
-    finally:
-        await source.close()
-        await srv.stop()
+    reason = await disconnect_reason([b"data: " + b"x" * (sse.MAX_EVENT_BYTES + 1)])
+    assert f"an event over {sse.MAX_EVENT_BYTES} bytes" in reason
 
 
 async def test_http_source_404_on_steps_says_so():
