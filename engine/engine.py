@@ -25,6 +25,7 @@ from engine.block_manager import BlockManager, BlockManagerClient, Stop
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, RequestError
 from engine.executor import Executor
+from engine.fanout import Fanout
 from engine.intake import Intake
 from engine.kv_ledger import KVLedger
 from engine.kv_cache import KVCache
@@ -54,7 +55,7 @@ class Engine:
         self._loaded = loaded  # reuse an already loaded model (tests, benchmarks)
         self._fault_hook = fault_hook
         self._tasks: list[asyncio.Task] = []
-        self._subscribers: set[asyncio.Queue] = set()
+        self._subscribers: Fanout[StepRecord] = Fanout(STEP_SUBSCRIBER_BUFFER)
         self._ids = itertools.count()
         # request id -> its outputs, from submit until the final output is taken or it is aborted
         self._live: dict[str, OutputBuffer] = {}
@@ -151,8 +152,7 @@ class Engine:
         self._tasks.clear()
         self._fail_live(self.dead)
         self._live.clear()
-        for q in self._subscribers:
-            q.put_nowait(None)
+        self._subscribers.close()
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -246,20 +246,13 @@ class Engine:
     # --- observation --------------------------------------------------------------------
 
     def _broadcast(self, record: StepRecord) -> None:
-        for q in self._subscribers:
-            if q.full():
-                q.get_nowait()  # a slow subscriber loses its oldest record, never blocks the engine
-            q.put_nowait(record)
+        self._subscribers.publish(record)  # a slow subscriber loses its oldest record, never blocks the engine
 
     async def steps(self) -> AsyncIterator[StepRecord]:
         """Every StepRecord from now on, until the engine stops."""
-        q: asyncio.Queue = asyncio.Queue(STEP_SUBSCRIBER_BUFFER)
-        self._subscribers.add(q)
-        try:
-            while (record := await q.get()) is not None:
+        with self._subscribers.subscribe() as records:
+            async for record in records:
                 yield record
-        finally:
-            self._subscribers.discard(q)
 
     def step_cost(self) -> CostFigures:
         """The step-cost model: coefficients, fit quality, last predicted vs actual step."""

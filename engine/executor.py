@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.batch import flatten_batch
 from engine.kv_cache import KVCache
 from engine.messages import Execute, ExecutorMsg, Shutdown, StepPlan, StepResult
 from engine.model.llama import LlamaModel
@@ -67,35 +67,12 @@ class Executor:
 
     def run_plan(self, plan: StepPlan) -> tuple[dict[str, int], float]:
         """The sampled token per request, and the seconds the model forward took."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        for item in plan.items:
-            n = len(item.token_ids)
-            real = n - item.num_padding
-            pos = range(item.start_pos, item.start_pos + n)
-            ids += item.token_ids
-            positions += pos
-            table = item.block_table
-            slots += [table[p // bs] * bs + p % bs for p in pos[:real]]
-            slots += [-1] * item.num_padding  # padding: computed, never stored
-            logits_rows.append(len(ids) - item.num_padding - 1)  # the request's last token
-        meta = AttentionMetadata.build(
-            query_lens=[len(i.token_ids) for i in plan.items],
-            context_lens=[i.start_pos for i in plan.items],
-            block_tables=[i.block_table for i in plan.items],
-            slot_mapping=slots,
-            block_size=bs,
-            device=self.model.device,
-        )
         device = self.model.device
+        batch = flatten_batch(plan.items, self.block_size, device)
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
-        rows = torch.tensor([logits_rows[i] for i in sampling], dtype=torch.long, device=device)
-        input_ids, input_positions = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+        rows = torch.tensor([batch.logits_rows[i] for i in sampling], dtype=torch.long, device=device)
         forward_start = time.perf_counter()
-        logits = self.model.forward(input_ids, input_positions, meta, self.kv_cache, rows)  # [S, V]
+        logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, rows)  # [S, V]
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so forward_s is the forward, not its launch
         forward_s = time.perf_counter() - forward_start

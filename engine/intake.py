@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.chat_prompt import chat_prompt
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
@@ -93,17 +94,7 @@ class Intake:
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
-            if not isinstance(msg.messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msg.messages
-            ):
-                raise RequestError("messages must be a list of {role: str, content: str}", "messages")
-            if not msg.messages:
-                raise RequestError("messages must not be empty", "messages")
-            try:
-                text = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
-                raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
+            text = chat_prompt(self.tokenizer, msg.messages)
         elif isinstance(msg.prompt, list):
             return list(msg.prompt)
         elif isinstance(msg.prompt, str):

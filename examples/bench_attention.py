@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.attention.cpu_backend import CpuAttention  # noqa: E402
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
+from engine.batch import Seq, flatten_batch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
@@ -58,14 +58,12 @@ def make_step(query_lens: list[int], context_lens: list[int]) -> tuple[Attention
     fragmented block pool); returns it, the positions [T] and the number of blocks."""
     counts = [-(-(ctx + q_len) // BLOCK) for q_len, ctx in zip(query_lens, context_lens)]
     pool = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(2)).tolist()
-    tables, slots, positions = [], [], []
+    seqs = []
     for q_len, ctx, n in zip(query_lens, context_lens, counts):
         table, pool = pool[:n], pool[n:]
-        tables.append(table)
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx, ctx + q_len)]
-        positions += range(ctx, ctx + q_len)
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, BLOCK)
-    return meta, torch.tensor(positions), sum(counts)
+        seqs.append(Seq([0] * q_len, ctx, table))
+    batch = flatten_batch(seqs, BLOCK)
+    return batch.meta, batch.positions, sum(counts)
 
 
 @torch.inference_mode()

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.backend import get_backend  # noqa: E402
+from engine.batch import Seq, flatten_batch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu import cpu_info  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -77,20 +77,13 @@ class Paged:
         return table
 
     def step(self, items: list[tuple[int, list[int]]]) -> torch.Tensor:
-        ids, pos, slots, qlens, ctxs, tables, rows = [], [], [], [], [], [], []
+        seqs = []
         for seq, toks in items:
             ctx = self.lens.get(seq, 0)
-            table = self.grow(seq, ctx + len(toks))
-            ids += toks
-            pos += range(ctx, ctx + len(toks))
-            slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx, ctx + len(toks))]
-            qlens.append(len(toks))
-            ctxs.append(ctx)
-            tables.append(table)
-            rows.append(len(ids) - 1)
+            seqs.append(Seq(toks, ctx, list(self.grow(seq, ctx + len(toks)))))
             self.lens[seq] = ctx + len(toks)
-        meta = AttentionMetadata.build(qlens, ctxs, tables, slots, BLOCK)
-        return self.model.forward(torch.tensor(ids), torch.tensor(pos), meta, self.cache, torch.tensor(rows))
+        b = flatten_batch(seqs, BLOCK)
+        return self.model.forward(b.input_ids, b.positions, b.meta, self.cache, torch.tensor(b.logits_rows))
 
     def clone_context(self, src: int, dst: int) -> None:
         """Give `dst` its own blocks holding a copy of `src`'s cached context."""

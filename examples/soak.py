@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -36,6 +35,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from frontends.http import sse  # noqa: E402
 
 PREAMBLE = "You are a careful assistant. Answer briefly and stay on topic. "
 WORDS = ("river stone lamp orbit velvet signal harbor maple quartz lantern echo meadow copper falcon ember "
@@ -156,12 +157,6 @@ def chunk_text(event: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def read_event(resp: aiohttp.ClientResponse) -> dict | str:
-    frame = await resp.content.readuntil(b"\n\n")
-    if not frame.startswith(b"data: ") or not frame.endswith(b"\n\n"):
-        raise ValueError(f"bad SSE frame {frame[:200]!r}")
-    payload = frame[6:-2]
-    return "[DONE]" if payload == b"[DONE]" else json.loads(payload)
 
 
 # --- one client -----------------------------------------------------------------------------------
@@ -191,8 +186,8 @@ async def run_job(session: aiohttp.ClientSession, url: str, job: Job, prompt: Pr
             report.failures.append(f"{where}: HTTP {resp.status}: {(await resp.text())[:300]}")
             return
         text, finish, usage, events = "", None, None, 0
-        while True:
-            event = await read_event(resp)
+        async for data in sse.events(resp.content, sse.EventParser(strict=True)):
+            event = sse.decode(data)
             if event == "[DONE]":
                 break
             if "error" in event:
@@ -208,6 +203,9 @@ async def run_job(session: aiohttp.ClientSession, url: str, job: Job, prompt: Pr
                 resp.close()  # leave mid-stream
                 report.disconnects["mid_stream"] += 1
                 return
+        else:
+            report.failures.append(f"{where}: the stream ended without [DONE]")
+            return
         report.completed += 1
         max_tokens = prompt.body["max_tokens"]
         problems = []

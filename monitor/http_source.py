@@ -5,8 +5,9 @@ The contract (frontends/ serves it):
     GET /v1/engine/steps   text/event-stream; one event per step:
                                data: <msgspec JSON of StepRecord>\\n\\n
                            (StepItem and FinishedRequest are array_like Structs, so they
-                           travel as JSON arrays). Comment lines (": ...") are keep-alives;
-                           "event:", "id:" and "retry:" fields are accepted and ignored.
+                           travel as JSON arrays), read by frontends.http.sse.EventParser:
+                           comment lines (": ...") are keep-alives; "event:", "id:" and
+                           "retry:" fields are accepted and ignored.
     GET /v1/engine/state   application/json {"snapshot": <EngineSnapshot> | null,
                            "config": {<section>: {...}}, "model", "ready", "dead",
                            "max_model_len"} (config = EngineConfig.to_dict(); snapshot is
@@ -27,47 +28,12 @@ import aiohttp
 import msgspec
 
 from engine.messages import StepRecord
+from frontends.http import sse
 from monitor.source import EngineState, SourceUnavailable, StepSource
 
 STEPS_PATH = "/v1/engine/steps"
 STATE_PATH = "/v1/engine/state"
-MAX_EVENT_BYTES = 8 << 20
 STATE_FAILURES_TO_DISCONNECT = 3
-
-
-class SSEParser:
-    """Incremental text/event-stream parser: feed bytes, get the data of complete events."""
-
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES):
-        self._buf = b""
-        self._data: list[bytes] = []
-        self._max = max_event_bytes
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        self._buf += chunk
-        events = []
-        while True:
-            cut = self._buf.find(b"\n")
-            if cut < 0:
-                break
-            line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if not line:  # blank line: dispatch
-                if self._data:
-                    events.append(b"\n".join(self._data))
-                    self._data = []
-                continue
-            if line.startswith(b":"):
-                continue  # comment / keep-alive
-            name, _, value = line.partition(b":")
-            if value.startswith(b" "):
-                value = value[1:]
-            if name == b"data":
-                self._data.append(value)
-        if len(self._buf) + sum(map(len, self._data)) > self._max:
-            raise SourceUnavailable(f"server sent an event over {self._max} bytes")
-        return events
 
 
 class HttpSource(StepSource):
@@ -123,16 +89,16 @@ class HttpSource(StepSource):
         resp = self._response
         if resp is None:
             raise SourceUnavailable("not connected")
-        parser = SSEParser()
         try:
-            async for chunk in resp.content.iter_any():
-                for data in parser.feed(chunk):
-                    try:
-                        yield self._decode_record(data)
-                    except msgspec.ValidationError as e:
-                        raise SourceUnavailable(f"server sent a step this monitor cannot read: {e}") from None
-                    except msgspec.DecodeError as e:
-                        raise SourceUnavailable(f"server sent malformed JSON on {STEPS_PATH}: {e}") from None
+            async for data in sse.events(resp.content):
+                try:
+                    yield self._decode_record(data)
+                except msgspec.ValidationError as e:
+                    raise SourceUnavailable(f"server sent a step this monitor cannot read: {e}") from None
+                except msgspec.DecodeError as e:
+                    raise SourceUnavailable(f"server sent malformed JSON on {STEPS_PATH}: {e}") from None
+        except sse.SSEError as e:
+            raise SourceUnavailable(f"server sent {e} on {STEPS_PATH}") from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError) as e:
             raise SourceUnavailable(f"connection to {self.url} lost ({type(e).__name__})") from None
         # EOF: the server closed the stream (shutting down, restarting)

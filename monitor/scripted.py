@@ -115,7 +115,7 @@ def example_history(
     running: list[_Req] = []
     records: list[StepRecord] = []
     next_chat, next_long, n = t0, t0 + 12.0, 0
-    preemptions, finished_total = 0, []
+    preemptions = 0
     num_blocks, block = 1536, 16
     for step in range(1, num_steps + 1):
         while next_chat <= now:
@@ -176,7 +176,6 @@ def example_history(
             num_cached_tokens=0, num_waiting=len(waiting), num_running=len(running),
             kv_usage=used_blocks / num_blocks, num_preemptions=preemptions, ttft_s=ttft, itl_s=itl, finished=finished,
         ))
-        finished_total += finished
 
     def snap(r: _Req, status: str) -> RequestSnapshot:
         return RequestSnapshot(request_id=r.rid, status=status, num_prompt_tokens=r.prompt,

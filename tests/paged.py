@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.batch import Seq, flatten_batch
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 
@@ -20,27 +20,21 @@ class PagedRunner:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def _slots(self, seq: int, start: int, n: int) -> list[int]:
+    def _grow(self, seq: int, length: int) -> list[int]:
         table = self.tables.setdefault(seq, [])
-        while len(table) * self.block_size < start + n:
+        while len(table) * self.block_size < length:
             table.append(self.free.pop())
-        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n)]
+        return list(table)
 
     def step(self, items: list[tuple[int, list[int]]]) -> torch.Tensor:
         """items: (seq id, new token ids) in batch order. Returns last-token logits [B, V]."""
-        ids, pos, slots, qlens, ctxs, tables, rows = [], [], [], [], [], [], []
+        seqs = []
         for seq, toks in items:
             ctx = self.lens.get(seq, 0)
-            ids += toks
-            pos += list(range(ctx, ctx + len(toks)))
-            slots += self._slots(seq, ctx, len(toks))
-            qlens.append(len(toks))
-            ctxs.append(ctx)
-            tables.append(list(self.tables[seq]))
-            rows.append(len(ids) - 1)
+            seqs.append(Seq(toks, ctx, self._grow(seq, ctx + len(toks))))
             self.lens[seq] = ctx + len(toks)
-        meta = AttentionMetadata.build(qlens, ctxs, tables, slots, self.block_size)
-        return self.model.forward(torch.tensor(ids), torch.tensor(pos), meta, self.cache, torch.tensor(rows))
+        b = flatten_batch(seqs, self.block_size)
+        return self.model.forward(b.input_ids, b.positions, b.meta, self.cache, torch.tensor(b.logits_rows))
 
     def greedy(self, seq: int, prompt: list[int], n: int, chunk: int | None = None) -> list[int]:
         chunk = chunk or len(prompt)

@@ -8,7 +8,6 @@ several); the remote output token count comes from the final usage chunk."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from engine.bench.workload import BenchRequest
 from engine.engine import Engine
 from engine.messages import StepRecord
 from engine.request import SamplingParams
+from frontends.http import sse
 
 GATE_POLL_S = 0.02  # how often a gated request checks the run's token count (rarely: the
 # event loop shares the GIL with the executor's thread, so busy polling would slow the steps)
@@ -124,11 +124,10 @@ async def run_remote(
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
                 usage_tokens, finish_reason = None, None
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
+                async for data in sse.events(resp.content):
+                    chunk = sse.decode(data)
+                    if chunk == "[DONE]":
                         continue
-                    chunk = json.loads(line[5:])
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"])
                     if chunk.get("usage"):

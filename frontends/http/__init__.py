@@ -1,7 +1,26 @@
 """The OpenAI-compatible HTTP frontend (aiohttp): completions, chat, models, health,
-Prometheus metrics, and the engine's live step stream and state."""
+Prometheus metrics, and the engine's live step stream and state.
 
-from frontends.http.app import create_app
-from frontends.http.server import HttpFrontend
+The names below are imported on first use (PEP 562), so that a client reading the wire format
+(`frontends.http.sse`, as the monitor does) does not import the server, the engine and torch.
+"""
 
-__all__ = ["HttpFrontend", "create_app"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {"HttpFrontend": "frontends.http.server", "create_app": "frontends.http.app"}
+__all__ = sorted(_WHERE)
+
+if TYPE_CHECKING:
+    from frontends.http.app import create_app
+    from frontends.http.server import HttpFrontend
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'frontends.http' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

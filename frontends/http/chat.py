@@ -2,7 +2,8 @@
 first carries the assistant role.
 
 Without max_tokens / max_completion_tokens the reply may run to the end of the context
-(as the OpenAI API does): the prompt is measured once here, on a worker thread.
+(as the OpenAI API does): the prompt is then rendered and tokenized here, once, on a worker
+thread, and submitted as token ids.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 from aiohttp import web
 from msgspec import UNSET
 
-from frontends.http.generate import Job, ensure_ready, generate, validated
+from engine.chat_prompt import chat_prompt
+from engine.errors import RequestError
+from frontends.http.errors import from_engine
+from frontends.http.generate import Job, ensure_ready, generate
 from frontends.http.models import check_model
 from frontends.http.protocol import (
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatRequest, Delta, Usage, decode,
@@ -49,32 +53,36 @@ class ChatRenderer:
         return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage)
 
 
-async def default_max_tokens(state: ServerState, messages: list[dict]) -> int:
+async def prompt_ids(state: ServerState, messages: list[dict]) -> list[int]:
+    """The chat prompt's token ids, rendered and tokenized on a worker thread."""
+    tokenizer = state.engine.tokenizer
+
+    def tokenize() -> list[int]:
+        return tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False)
+
+    try:
+        return await asyncio.to_thread(tokenize)
+    except RequestError as e:
+        raise from_engine(e) from None
+
+
+def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
     """Room left in the context (and the KV pool) after the prompt; at least 1, so an
     over-long prompt still reaches the engine and gets its context-length error."""
     engine, cache = state.engine, state.engine.config.cache
-    tokenizer = engine.tokenizer
-
-    def count() -> int:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    try:
-        n = await asyncio.to_thread(count)
-    except Exception:  # malformed messages: the engine refuses them with the right field
-        return 1
-    return max(1, min(engine.max_model_len, cache.num_blocks * cache.block_size) - n)
+    return max(1, min(engine.max_model_len, cache.num_blocks * cache.block_size) - num_prompt_tokens)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = decode(await request.read(), ChatRequest)
     check_model(state, body.model)
-    messages = [m.as_dict() for m in body.messages]
-    max_tokens = body.explicit_max_tokens()
+    messages: list[dict] | None = [m.as_dict() for m in body.messages]
+    prompt, max_tokens = None, body.explicit_max_tokens()
     if max_tokens is None:
         ensure_ready(state)
-        max_tokens = await default_max_tokens(state, messages)
-    params = validated(body.sampling_params(max_tokens))
+        prompt, messages = await prompt_ids(state, messages), None  # tokenized once, here: it sizes max_tokens
+        max_tokens = default_max_tokens(state, len(prompt))
+    params = body.sampling_params(max_tokens)
     render = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage)
-    return await generate(request, state, Job(None, messages, params, body.stream, body.include_usage), render)
+    return await generate(request, state, Job(prompt, messages, params, body.stream, body.include_usage), render)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from msgspec import UNSET
 
-from frontends.http.generate import Job, generate, validated
+from frontends.http.generate import Job, generate
 from frontends.http.models import check_model
 from frontends.http.protocol import Completion, CompletionChoice, CompletionRequest, Usage, decode
 from frontends.http.state import STATE
@@ -40,6 +40,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = decode(await request.read(), CompletionRequest)
     check_model(state, body.model)
-    params = validated(body.sampling_params(body.resolved_max_tokens()))
+    params = body.sampling_params(body.resolved_max_tokens())
     render = CompletionRenderer(state.new_id("cmpl"), state.clock(), state.model_name, body.include_usage)
     return await generate(request, state, Job(body.prompt, None, params, body.stream, body.include_usage), render)

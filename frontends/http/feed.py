@@ -7,11 +7,11 @@ every subscription (at shutdown) while the metrics keep being fed until the app'
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 
 from engine import Engine, StepRecord
+from engine.fanout import Fanout
 from frontends.http.metrics import Metrics
 
 SUBSCRIBER_BUFFER = 1024
@@ -21,38 +21,17 @@ class StepFeed:
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine = engine
         self.metrics = metrics
-        self._subscribers: set[asyncio.Queue[StepRecord | None]] = set()
-        self._closed = False
+        self._fanout: Fanout[StepRecord] = Fanout(SUBSCRIBER_BUFFER)
 
     async def run(self) -> None:
         async for record in self.engine.steps():
             self.metrics.observe(record)
-            for q in self._subscribers:
-                if q.full():
-                    q.get_nowait()
-                q.put_nowait(record)
+            self._fanout.publish(record)
         self.close()  # the engine stopped
 
-    @contextmanager
-    def subscribe(self) -> Iterator[AsyncIterator[StepRecord]]:
+    def subscribe(self) -> AbstractContextManager[AsyncIterator[StepRecord]]:
         """Records from now on (registered on entry, so none is missed after it)."""
-        q: asyncio.Queue[StepRecord | None] = asyncio.Queue(SUBSCRIBER_BUFFER)
-        if self._closed:
-            q.put_nowait(None)
-        self._subscribers.add(q)
-        try:
-            yield self._drain(q)
-        finally:
-            self._subscribers.discard(q)
-
-    @staticmethod
-    async def _drain(q: asyncio.Queue[StepRecord | None]) -> AsyncIterator[StepRecord]:
-        while (record := await q.get()) is not None:
-            yield record
+        return self._fanout.subscribe()
 
     def close(self) -> None:
-        self._closed = True
-        for q in self._subscribers:
-            if q.full():
-                q.get_nowait()
-            q.put_nowait(None)
+        self._fanout.close()

@@ -53,8 +53,15 @@ class Renderer(Protocol):
     def whole(self, text: str, finish_reason: str, usage: Usage) -> object: ...
 
 
-def ensure_ready(state: ServerState) -> None:
+def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> None:
+    """Refuse with a 503 unless the engine takes requests. Bad `params` are a 400 even then:
+    they are validated here only while the engine cannot take them (it validates them itself)."""
     engine = state.engine
+    if params is not None and (state.live.closing or engine.dead or not engine.ready):
+        try:
+            params.validate()
+        except RequestError as e:
+            raise from_engine(e) from None
     if state.live.closing:
         raise shutting_down()
     if engine.dead:
@@ -64,16 +71,8 @@ def ensure_ready(state: ServerState) -> None:
                        headers={"Retry-After": "1"})
 
 
-def validated(params: SamplingParams) -> SamplingParams:
-    try:
-        params.validate()
-    except RequestError as e:
-        raise from_engine(e) from None
-    return params
-
-
 async def generate(request: web.Request, state: ServerState, job: Job, render: Renderer) -> web.StreamResponse:
-    ensure_ready(state)
+    ensure_ready(state, job.params)
     engine, request_id = state.engine, render.id
     with state.live.track(request_id):
         try:

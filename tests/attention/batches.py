@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.batch import Seq, flatten_batch
 
 
 def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0, num_blocks=128):
@@ -14,19 +14,12 @@ def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0, num_
     h, kvh = heads
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(num_blocks, generator=gen).tolist()
-    q_lens, ctx_lens, tables, slots = [], [], [], []
+    batch = []
     for ctx, q_len, pad in seqs:
-        if pad:
-            table, seq_slots = [], [-1] * q_len
-        else:
-            table = [pool.pop() for _ in range(-(-(ctx + q_len) // bs))]
-            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q_len)]
-        q_lens.append(q_len)
-        ctx_lens.append(ctx)
-        tables.append(table)
-        slots.extend(seq_slots)
-    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, slots, bs)
-    t = len(slots)
+        table = [] if pad else [pool.pop() for _ in range(-(-(ctx + q_len) // bs))]
+        batch.append(Seq([0] * q_len, ctx, table, num_padding=q_len if pad else 0))
+    meta = flatten_batch(batch, bs).meta
+    t = meta.num_tokens
     q = torch.randn(t, h, d, generator=gen).to(dtype)  # [T, H, D]
     k = torch.randn(t, kvh, d, generator=gen).to(dtype)  # [T, KVH, D]
     v = torch.randn(t, kvh, d, generator=gen).to(dtype)

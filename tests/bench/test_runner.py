@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import Engine
 from engine.bench import workload
 from engine.bench.runner import run_in_process
+from tests.engine.util import tiny_config
 
 VOCAB = range(100, 259)
-
-
-def config(**kw) -> EngineConfig:
-    return EngineConfig.load(None, **{"model": "tiny-random", "num_blocks": 256, "batch_timeout_ms": 5, **kw})
 
 
 @pytest.mark.parametrize("policy", ["continuous", "chunked"])
 async def test_spike_lands_mid_stream(tiny_model, policy):
     reqs = workload.spike(num_streams=4, num_long=1, long_len=300, stream_tokens=48, spike_after=0.25, vocab=VOCAB)
-    async with Engine(config(policy=policy, max_num_batched_tokens=64, chunk_size=32), loaded=tiny_model) as engine:
+    async with Engine(tiny_config(policy=policy, max_num_batched_tokens=64, chunk_size=32), loaded=tiny_model) as engine:
         timings, duration, steps = await run_in_process(engine, reqs)
     steady, [long] = timings[:4], timings[4:]
     assert all(t.ok for t in timings) and long.tag == "long"
@@ -37,14 +34,14 @@ async def test_spike_lands_mid_stream(tiny_model, policy):
 
 async def test_gate_opens_when_it_never_can_be_reached(tiny_model):
     reqs = [workload.BenchRequest([120, 121], 4, 0.0, "steady"), workload.BenchRequest([122], 2, 0.0, "long", 10_000)]
-    async with Engine(config(policy="continuous"), loaded=tiny_model) as engine:
+    async with Engine(tiny_config(policy="continuous"), loaded=tiny_model) as engine:
         timings, _, _ = await run_in_process(engine, reqs)
     assert all(t.ok for t in timings) and timings[1].arrival >= timings[0].end
 
 
 async def test_failed_requests_are_reported(tiny_model):
     reqs = [workload.BenchRequest([9999], 4, 0.0), workload.BenchRequest([120], 3, 0.0)]  # id outside the vocab
-    async with Engine(config(policy="continuous"), loaded=tiny_model) as engine:
+    async with Engine(tiny_config(policy="continuous"), loaded=tiny_model) as engine:
         timings, _, _ = await run_in_process(engine, reqs)
     assert not timings[0].ok and "RequestError" in timings[0].error
     assert timings[1].ok and timings[1].num_output_tokens == 3

@@ -115,7 +115,12 @@ def test_all_policies_give_identical_tokens(runs):
 def test_all_sixteen_were_in_flight_together(runs):
     for policy in POLICIES:
         _, records = runs[policy]
-        assert max(r.num_running for r in records) == 16 or policy == "chunked", policy
+        # All sixteen were in the engine at once. Static and continuous also ran them all in one
+        # batch; chunked's 64-token budget admits at most two new 32-token chunks a step, so
+        # some wait while earlier ones decode: what it guarantees is that they all got in.
+        assert max(r.num_running + r.num_waiting for r in records) == 16, policy
+        if policy != "chunked":
+            assert max(r.num_running for r in records) == 16, policy
         assert max(len({i.request_id for i in r.items}) for r in records) >= 8, policy
 
 

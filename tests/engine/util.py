@@ -4,18 +4,18 @@ StepRecords, waiting (with a bound) for the engine to drain."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import Engine, EngineConfig, RequestOutput, SamplingParams, StepRecord
+from tests import tiny
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("static", "continuous", "chunked")
 
 
-def tiny_config(**overrides) -> EngineConfig:
-    base = {"model": "tiny-random", "num_blocks": 256, "batch_timeout_ms": 5}
-    return EngineConfig.load(REPO / "config.toml", **{**base, **overrides})
+tiny_config = functools.partial(tiny.tiny_config, batch_timeout_ms=5)
 
 
 def real_config(**overrides) -> EngineConfig:

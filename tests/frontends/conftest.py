@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import AsyncIterator
+import functools
 from contextlib import asynccontextmanager
 
 import pytest
@@ -12,13 +13,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig
-from frontends.http import create_app
+from frontends.http import create_app, sse
+from tests import tiny
 
-TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=64, chunk_size=32)
-
-
-def tiny_config(**overrides) -> EngineConfig:
-    return EngineConfig.load(None, **{**TINY, **overrides})
+# A small budget and chunk, so that a stream takes several steps.
+tiny_config = functools.partial(tiny.tiny_config, max_num_batched_tokens=64, chunk_size=32)
 
 
 @asynccontextmanager
@@ -43,14 +42,9 @@ async def tiny(tiny_model) -> AsyncIterator[tuple[Engine, TestClient]]:
 
 
 def sse_events(body: bytes) -> list:
-    """Split an SSE body into its payloads: JSON objects, or the string "[DONE]"."""
-    assert body.endswith(b"\n\n"), body[-200:]
-    events = []
-    for frame in body[:-2].split(b"\n\n"):
-        assert frame.startswith(b"data: "), frame
-        payload = frame[len(b"data: "):]
-        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
-    return events
+    """An SSE body's payloads (JSON objects, or the string "[DONE]"), every frame exactly as
+    sse.frame writes it."""
+    return [sse.decode(data) for data in sse.parse_body(body, strict=True)]
 
 
 def metric(text: str, name: str, **labels) -> float:

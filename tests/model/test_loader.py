@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -75,13 +74,10 @@ def test_gguf_conversion_is_cached(real_model):
     weights = first / "model.safetensors"
     mtimes = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
 
-    start = time.perf_counter()
     second = convert_gguf(gguf, cache_dir)
-    elapsed = time.perf_counter() - start
 
     assert second == first
-    assert elapsed < 1.0, f"cache hit took {elapsed:.2f}s: reconverted?"
-    assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == mtimes
+    assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == mtimes  # nothing rewritten: not reconverted
     assert weights.stat().st_size > 100_000_000  # dequantized fp32 weights, not a stub
     assert not first.with_name(first.name + ".tmp").exists()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import html
+import re
 
 from rich.text import Text
 
@@ -77,3 +79,14 @@ def strip_columns(strip) -> list[list[str | None]]:
 
 MIXED_ITEMS = [("long-1", "prefill", 192, 384), ("chat-2", "decode", 1, 40), ("chat-3", "decode", 1, 12),
                ("stale-4", "padding", 4, 0)]
+
+
+SCREEN_TEXT = re.compile(r'<text [^>]*clip-path="url\(#terminal-\d+-line-(\d+)\)">(.*?)</text>')
+
+
+def screen_lines(svg: str) -> list[str]:
+    """The characters on screen, row by row, read back from a screenshot SVG."""
+    rows: dict[int, str] = {}
+    for row, chunk in SCREEN_TEXT.findall(svg):
+        rows[int(row)] = rows.get(int(row), "") + html.unescape(chunk).replace("\xa0", " ")
+    return [rows.get(i, "") for i in range(max(rows, default=-1) + 1)]

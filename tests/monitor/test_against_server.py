@@ -9,18 +9,18 @@ import contextlib
 import pytest
 from aiohttp.test_utils import TestServer
 
-from engine import Engine, EngineConfig
+from engine import Engine
 from monitor.http_source import HttpSource
 from monitor.source import Backoff, Connected, Disconnected, StateEvent, StepEvent, follow
+from tests.tiny import tiny_config
 
 http = pytest.importorskip("frontends.http")
 
-TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=48, chunk_size=16)
 
 
 @contextlib.asynccontextmanager
 async def server(tiny_model, **overrides):
-    engine = Engine(EngineConfig.load(None, **{**TINY, **overrides}), loaded=tiny_model)
+    engine = Engine(tiny_config(max_num_batched_tokens=48, chunk_size=16, **overrides), loaded=tiny_model)
     await engine.start()
     srv = TestServer(http.create_app(engine), host="127.0.0.1")
     await srv.start_server()

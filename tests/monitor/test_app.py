@@ -9,7 +9,7 @@ from monitor.app import HelpScreen, MonitorApp
 from monitor.scripted import ScriptedSource
 from monitor.source import Backoff, ReplicaInfo
 from monitor.widgets import DEFAULT_ZOOM, LatencyPanel, QueuePanel, RequestTable, StatusBar, StepPanel, StepStrip
-from tests.monitor.helpers import MIXED_ITEMS, decodes, plain, record, state, strip_columns, until
+from tests.monitor.helpers import MIXED_ITEMS, decodes, plain, record, screen_lines, state, strip_columns, until
 
 SIZE = (120, 44)
 
@@ -278,10 +278,15 @@ async def test_any_terminal_size_renders(size):
     app = make_app(ScriptedSource(records, st))
     async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: app.steps_shown == 60)
+        strip, shown = app.query_one(StepStrip), []
         for zoom in range(6):  # every zoom level draws at every size
-            app.query_one(StepStrip).zoom = zoom
+            strip.zoom = zoom
             await pilot.pause()
-            app.export_screenshot()
+            lines = screen_lines(app.export_screenshot())
+            assert len(lines) == size[1] and any(line.strip() for line in lines)  # the whole screen is drawn
+            shown.append(len(strip.visible()))
+        # wider cells, fewer steps: the strip lays itself out to the terminal's width at every zoom
+        assert all(a >= b >= 1 for a, b in zip(shown, shown[1:])) and shown[0] > shown[-1], shown
 
 
 async def test_the_step_panel_shows_predicted_against_actual_forward_time():

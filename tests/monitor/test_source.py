@@ -1,4 +1,4 @@
-"""follow(), the SSE parser and HttpSource against a fake server speaking the contract."""
+"""follow() and HttpSource against a fake server speaking the contract."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from frontends.http import sse
 from monitor.app import MonitorApp
-from monitor.http_source import STATE_PATH, STEPS_PATH, HttpSource, SSEParser
+from monitor.http_source import STATE_PATH, STEPS_PATH, HttpSource
 from monitor.scripted import ScriptedSource
 from monitor.source import Backoff, Connected, Connecting, Disconnected, StateEvent, StepEvent, follow
 from monitor.widgets import StatusBar, StepPanel
@@ -58,25 +59,6 @@ def test_backoff_grows_caps_and_resets():
     assert b.next_delay() == 0.5
     zero = Backoff(0.0)
     assert [zero.next_delay() for _ in range(3)] == [0.0, 0.0, 0.0]
-
-
-# --- SSE parsing -------------------------------------------------------------------------
-
-
-def test_sse_parser_handles_split_frames_comments_and_crlf():
-    p = SSEParser()
-    assert p.feed(b": keep-alive\n\ndata: {\"a\"") == []
-    assert p.feed(b": 1}\n") == []
-    assert p.feed(b"\n") == [b'{"a": 1}']
-    assert p.feed(b"event: step\r\nid: 9\r\ndata: x\r\ndata: y\r\n\r\ndata:z\n\n") == [b"x\ny", b"z"]
-
-
-def test_sse_parser_refuses_an_endless_event():
-    from monitor.source import SourceUnavailable
-
-    p = SSEParser(max_event_bytes=64)
-    with pytest.raises(SourceUnavailable):
-        p.feed(b"data: " + b"x" * 100)
 
 
 # --- HttpSource against a fake engine-serve ---------------------------------------------
@@ -201,18 +183,28 @@ async def test_http_source_state_404_keeps_the_stream(server):
         await source.close()
 
 
-async def test_http_source_wrong_contract_is_a_clear_disconnect():
-    srv = FakeServer(free_port(), raw_frames=[b'data: {"type": "step", "n": 1}\n\n'])
+async def disconnect_reason(raw_frames: list[bytes]) -> str:
+    """Why HttpSource drops a server that sends these frames first."""
+    srv = FakeServer(free_port(), raw_frames=raw_frames)
     await srv.start()
     source = HttpSource(f"http://127.0.0.1:{srv.port}")
     events = follow(source, state_interval_s=0.01, backoff=Backoff(0.05))
     try:
         async with contextlib.aclosing(events):
-            ev = await next_of(events, Disconnected)
-            assert "server sent a step this monitor cannot read" in ev.reason
+            return (await next_of(events, Disconnected)).reason
     finally:
         await source.close()
         await srv.stop()
+
+
+async def test_http_source_wrong_contract_is_a_clear_disconnect():
+    reason = await disconnect_reason([b'data: {"type": "step", "n": 1}\n\n'])
+    assert "server sent a step this monitor cannot read" in reason
+
+
+async def test_http_source_endless_event_is_a_clear_disconnect():
+    reason = await disconnect_reason([b"data: " + b"x" * (sse.MAX_EVENT_BYTES + 1)])
+    assert f"an event over {sse.MAX_EVENT_BYTES} bytes" in reason
 
 
 async def test_http_source_404_on_steps_says_so():

@@ -6,31 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-
-import aiohttp
 
 from engine import Engine, EngineConfig
 from frontends.http import HttpFrontend
 from frontends.http.state import STATE
-from tests.frontends.conftest import sse_events  # noqa: F401  (re-exported for the reliability tests)
+from tests.frontends.conftest import sse_events, tiny_config  # noqa: F401  (re-exported for the reliability tests)
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = dict(model="tiny-random", served_model_name="tiny", num_blocks=256, max_num_batched_tokens=64, chunk_size=32,
-            port=0)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-def tiny_config(**overrides) -> EngineConfig:
-    return EngineConfig.load(None, **{**TINY, **overrides})
 
 
 def load_soak():
@@ -163,14 +154,3 @@ async def assert_no_leaks(engine: Engine, frontend: HttpFrontend, timeout: float
     figures = engine.block_manager.figures
     assert figures.usage == 0 and figures.num_owners == 0 and figures.num_free_blocks == figures.num_blocks
 
-
-@contextmanager
-def timer() -> Any:
-    t = {"start": time.perf_counter()}
-    yield t
-    t["elapsed"] = time.perf_counter() - t["start"]
-
-
-async def post_json(session: aiohttp.ClientSession, url: str, body: dict, **kw) -> tuple[int, Any]:
-    async with session.post(url, json=body, **kw) as resp:
-        return resp.status, await resp.json(content_type=None)

@@ -1,0 +1,20 @@
+"""A chat request's prompt: its messages checked, then rendered through the model's chat
+template. The engine's intake and the HTTP frontend (which measures a chat prompt to size
+its default max_tokens, then submits the token ids) both render it here."""
+
+from __future__ import annotations
+
+from engine.errors import RequestError
+
+
+def chat_prompt(tokenizer, messages: object) -> str:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise RequestError("messages must be a list of {role: str, content: str}", "messages")
+    if not messages:
+        raise RequestError("messages must not be empty", "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
+        raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
