@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import store_kv
+from engine.attention.backend import LayerAttention, store_kv
 from engine.attention.metadata import AttentionMetadata
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
@@ -66,8 +66,10 @@ def _build() -> None:
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is required to build C++ extensions: pip install ninja")
     errors = []
+    # The source's hash in the name: checkouts with different kernels never rebuild each other's.
+    src = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
     for tag, flags in ((f"native_{_cpu_tag()}", ["-O3", "-march=native"]), ("generic", ["-O3"])):
-        name = f"stepwise_paged_attention_{tag}"
+        name = f"stepwise_paged_attention_{tag}_{src}"
         # torch waits forever on the lock file of a build that was killed: drop an old one
         lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
@@ -150,8 +152,12 @@ class CpuAttention:
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: CpuPlan) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: CpuPlan, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
+        layer = layer or LayerAttention.plain(q.shape[2])
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
-        self._op(q, k, v, k_cache, v_cache, plan.tiles, plan.block_tables, out)
+        self._op(q, k, v, k_cache, v_cache, plan.tiles, plan.block_tables, out,
+                 layer.scale, layer.window or 0, layer.softcap or 0.0)
         return out
