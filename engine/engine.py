@@ -72,7 +72,7 @@ class Engine:
         )
         backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
         model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend)
-        self.tokenizer, name = loaded.tokenizer, loaded.name
+        self.tokenizer, name, eos_token_ids = loaded.tokenizer, loaded.name, loaded.eos_token_ids
         if self._loaded is None:
             # Our model holds copies of every weight: free transformers' copy (and unmap its
             # weight file) before the KV pool is allocated, so the two never add up.
@@ -94,7 +94,7 @@ class Engine:
         )
         self.intake = Intake(
             self.tokenizer, self.scheduler.inbox, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
-            cfg.scheduler.max_waiting, lambda: len(self.scheduler.snapshot.waiting),
+            cfg.scheduler.max_waiting, lambda: len(self.scheduler.snapshot.waiting), eos_token_ids,
         )
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:

@@ -29,6 +29,7 @@ class Intake:
         kv_capacity_tokens: int,
         max_waiting: int,
         num_waiting: Callable[[], int],
+        eos_token_ids: frozenset[int] | None = None,  # default: the tokenizer's EOS
     ):
         self.tokenizer = tokenizer
         self.scheduler_inbox = scheduler_inbox
@@ -37,7 +38,9 @@ class Intake:
         self.max_waiting = max_waiting
         self.num_waiting = num_waiting
         self.vocab_size = len(tokenizer)
-        self.eos_token_id = tokenizer.eos_token_id
+        if eos_token_ids is None:
+            eos_token_ids = frozenset() if tokenizer.eos_token_id is None else frozenset([tokenizer.eos_token_id])
+        self.eos_token_ids = eos_token_ids
         self.inbox: asyncio.Queue[IntakeMsg] = asyncio.Queue()
         self._arrivals = itertools.count()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
@@ -85,7 +88,7 @@ class Intake:
                 "max_tokens",
             )
         detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals))
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals))
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
