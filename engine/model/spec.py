@@ -34,6 +34,10 @@ ARCHITECTURES = (
     "Phi3ForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Where transformers applies `sliding_window`: on every layer, or on the `layer_types` marked
+# sliding (Llama has no window at all).
+WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
+WINDOW_BY_LAYER_TYPE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA)
 # RoPE types whose tables depend on the position only (not on the sequence's length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -91,7 +95,7 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
     _check_rope(config)
     scale = config.query_pre_attn_scalar**-0.5 if gemma else head_dim**-0.5
     softcap = getattr(config, "attn_logit_softcapping", None) if gemma else None
-    windows, keys = _layer_windows(config)
+    windows, keys = _layer_windows(config, architecture)
     return ModelSpec(
         architecture=architecture,
         shape=shape,
@@ -103,13 +107,13 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
     )
 
 
-def _layer_windows(config) -> tuple[list[int | None], tuple[str, ...]]:
+def _layer_windows(config, architecture: str) -> tuple[list[int | None], tuple[str, ...]]:
     """Per layer: the sliding window (None = global) and the layer type."""
     n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is None:  # Mistral, Phi-3: the window, when set, applies to every layer
+    if architecture not in WINDOW_BY_LAYER_TYPE:
+        window = window if architecture in WINDOW_ON_EVERY_LAYER else None
         return [window] * n, ("full_attention",) * n
-    types = tuple(types)
+    types = tuple(getattr(config, "layer_types", None) or ("full_attention",) * n)
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ValueError(f"unsupported layer_types {list(types)!r}; each must be one of {LAYER_TYPES}")
     if "sliding_attention" in types and window is None:

@@ -26,7 +26,8 @@ from engine.attention.torch_backend import TorchAttention
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, ModelLoadError, load_model
 from tests.engine.util import POLICIES, StepRecorder, greedy, run_all, tiny_config
-from tests.model.families import COMMON, FAMILIES, WINDOW, save
+from engine.model.tiny import tiny_tokenizer
+from tests.model.families import COMMON, FAMILIES, WINDOW, build, save
 from tests.paged import PagedRunner
 
 TEXT = "The quick brown fox jumps over the lazy dog; 敏捷的棕色狐狸跳过了懒狗。 Pack my box with five dozen jugs. "
@@ -88,6 +89,23 @@ def test_logits_match_transformers_forward(family, chunk):
         for i in range(0, len(prompt), step):
             got = runner.step([(0, prompt[i : i + step])])[0]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{backend.name}: {m}")
+
+
+def test_yarn_rope_logits_match_transformers(tmp_path):
+    """Qwen2.5 / Llama long-context checkpoints ask for YaRN: static tables with an attention
+    factor, taken from transformers' rotary module; a prompt past the original context."""
+    model = build("llama3")
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 32}
+    model.save_pretrained(tmp_path / "yarn")
+    tiny_tokenizer().save_pretrained(tmp_path / "yarn")
+    loaded = load_model(str(tmp_path / "yarn"), tmp_path / "cache")
+    assert loaded.hf_model.model.rotary_emb.attention_scaling != 1.0
+    prompt = loaded.tokenizer.encode(TEXT * 2, add_special_tokens=False)[:100]
+    with torch.inference_mode():
+        want = loaded.hf_model(torch.tensor([prompt])).logits[0, -1]
+    got = PagedRunner(LlamaModel(loaded.hf_model, TorchAttention()), num_blocks=16).step([(0, prompt)])[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def _up_to_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
