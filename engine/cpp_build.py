@@ -54,8 +54,10 @@ def build_extension(name: str, sources: list[Path], variants: list[tuple[str, li
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is required to build C++ extensions: pip install ninja")
     errors = []
+    # The sources' hash in the name: checkouts with different kernels never rebuild each other's.
+    digest = hashlib.sha1(b"".join(s.read_bytes() for s in sources)).hexdigest()[:8]
     for tag, flags in variants:
-        full = f"{name}_{tag}"
+        full = f"{name}_{tag}_{digest}"
         # torch waits forever on the lock file of a build that was killed: drop an old one
         lock = Path(cpp_extension._get_build_directory(full, verbose=False)) / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:

@@ -79,7 +79,7 @@ class Engine:
         backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
         model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
                                         loaded.gguf, cfg.model.weight_format)
-        self.tokenizer, name = loaded.tokenizer, loaded.name
+        self.tokenizer, name, eos_token_ids = loaded.tokenizer, loaded.name, loaded.eos_token_ids
         if self._loaded is None:
             # Our model holds copies of every weight: free transformers' copy (and unmap its
             # weight file) before the KV pool is allocated, so the two never add up.
@@ -103,7 +103,7 @@ class Engine:
         )
         self.intake = Intake(
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
-            cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed,
+            cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
         )
         if cfg.scheduler.calibrate_step_cost:
             await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks)

@@ -32,6 +32,7 @@ class Intake:
         max_waiting: int,
         num_waiting: Callable[[], int],
         seed: int = 0,
+        eos_token_ids: frozenset[int] | None = None,  # default: the tokenizer's EOS
     ):
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
@@ -40,7 +41,9 @@ class Intake:
         self.max_waiting = max_waiting
         self.num_waiting = num_waiting
         self.vocab_size = len(tokenizer)
-        self.eos_token_id = tokenizer.eos_token_id
+        if eos_token_ids is None:
+            eos_token_ids = frozenset() if tokenizer.eos_token_id is None else frozenset([tokenizer.eos_token_id])
+        self.eos_token_ids = eos_token_ids
         self.inbox: asyncio.Queue[IntakeMsg] = asyncio.Queue()
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
@@ -90,7 +93,7 @@ class Intake:
             )
         detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_id, next(self._arrivals), msg.outputs, seed)
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals), msg.outputs, seed)
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

@@ -60,7 +60,7 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         detokenizer: Detokenizer,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int] | None,
         arrival: int,
         outputs: OutputBuffer | None = None,
         seed: int | None = None,
@@ -70,7 +70,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.detokenizer = detokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids or frozenset()  # any of them ends the request (unless ignore_eos)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -111,7 +111,7 @@ class Request:
     def stop_reason(self) -> str | None:
         """After appending a token: why the request should stop, if it should."""
         last = self.output_token_ids[-1]
-        if not self.params.ignore_eos and last == self.eos_token_id:
+        if not self.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if last in self.params.stop_token_ids:
             return "stop"

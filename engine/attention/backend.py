@@ -5,15 +5,39 @@ Semantics every backend implements (see metadata.py): query token j of sequence 
 position p = context_lens[i] + j and attends to keys 0..p of its own sequence — positions
 below context_lens[i] from the paged cache, the rest from this step's fresh k/v. The fresh
 k/v are stored into the cache at slot_mapping (slots of -1 are skipped).
+
+What differs between layers comes with each `forward` as a `LayerAttention`: the score scale,
+a sliding window (query at position p sees keys p - window + 1 .. p, transformers'
+`sliding_window`) and tanh soft-capping of the scores (Gemma 2).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention arithmetic: scores = softcap(scale * q.k), over the window."""
+
+    scale: float
+    window: int | None = None  # keys within `window` positions of the query (itself included)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {self.window}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"attention soft-cap must be > 0, got {self.softcap}")
+
+    @staticmethod
+    def plain(head_dim: int) -> LayerAttention:
+        return LayerAttention(scale=head_dim**-0.5)
 
 
 class AttentionBackend(Protocol):
@@ -32,6 +56,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
         prepared: object,
+        layer: LayerAttention | None = None,  # None: LayerAttention.plain(D)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import store_kv
+from engine.attention.backend import LayerAttention, store_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.cpp_build import KernelLoader, build_extension, cpu_tag
 
@@ -70,8 +70,12 @@ class CpuAttention:
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: CpuPlan) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: CpuPlan, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
+        layer = layer or LayerAttention.plain(q.shape[2])
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
-        self._op(q, k, v, k_cache, v_cache, plan.tiles, plan.block_tables, out)
+        self._op(q, k, v, k_cache, v_cache, plan.tiles, plan.block_tables, out,
+                 layer.scale, layer.window or 0, layer.softcap or 0.0)
         return out

@@ -17,20 +17,41 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import store_kv
+from engine.attention.backend import LayerAttention, store_kv
 from engine.attention.metadata import AttentionMetadata
+
+
+def window_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., Lq, S] bool, True = attend: causal, and within `window` positions when set."""
+    q, k = q_pos[..., :, None], key_pos[..., None, :]
+    mask = k <= q
+    return mask if window is None else mask & (k > q - window)
 
 
 @dataclass
 class FreshGroup:
     token_idx: torch.Tensor  # [n, L] rows of the flattened batch, one row per sequence
+    masks: dict = field(default_factory=dict)  # window -> [L, L] bool
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            pos = torch.arange(self.token_idx.shape[1], device=self.token_idx.device)
+            self.masks[window] = window_mask(pos, pos, window)
+        return self.masks[window]
 
 
 @dataclass
 class DecodeGroup:
     token_idx: torch.Tensor  # [Bd] rows of the flattened batch
     slots: torch.Tensor  # [Bd, Lmax] cache slots to gather (0 where masked)
-    mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool, True = attend
+    seq_lens: torch.Tensor  # [Bd] int64: the query sits at position seq_len - 1
+    masks: dict = field(default_factory=dict)  # window -> [Bd, 1, 1, Lmax] bool
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            pos = torch.arange(self.slots.shape[1], device=self.slots.device)
+            self.masks[window] = window_mask((self.seq_lens - 1)[:, None], pos, window)[:, None]
+        return self.masks[window]
 
 
 @dataclass
@@ -38,7 +59,14 @@ class CachedChunk:
     start: int
     length: int
     slots: torch.Tensor  # [S] cache slots of the whole sequence
-    mask: torch.Tensor  # [1, 1, length, S] bool
+    masks: dict = field(default_factory=dict)  # window -> [1, 1, length, S] bool
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            seq_len = self.slots.shape[0]
+            key_pos = torch.arange(seq_len, device=self.slots.device)
+            self.masks[window] = window_mask(key_pos[seq_len - self.length :], key_pos, window)[None, None]
+        return self.masks[window]
 
 
 @dataclass
@@ -53,6 +81,23 @@ def _seq_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.T
     """Cache slots of positions 0..length-1 of one sequence."""
     pos = torch.arange(length, device=table_row.device)
     return table_row[pos // block_size].long() * block_size + pos % block_size
+
+
+def attend(q, k, v, mask: torch.Tensor | None, layer: LayerAttention, group: int) -> torch.Tensor:
+    """q: [B, H, L, D], k/v: [B, H / group, S, D], mask broadcastable to [B, H, L, S] (None =
+    causal). SDPA, or, with soft-capping (which SDPA lacks), transformers' eager arithmetic."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * layer.scale / layer.softcap) * layer.softcap  # [B, H, L, S]
+    if mask is None:
+        pos = torch.arange(q.shape[2], device=q.device)
+        mask = window_mask(pos, pos, None)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class TorchAttention:
@@ -87,11 +132,7 @@ class TorchAttention:
             else:
                 seq_len = ctx + q_len
                 slots = _seq_slots(meta.block_tables[i], seq_len, meta.block_size)
-                # query j (position ctx + j) sees keys 0..ctx + j
-                key_pos = torch.arange(seq_len, device=device)
-                q_pos = torch.arange(ctx, seq_len, device=device)
-                mask = (key_pos[None, :] <= q_pos[:, None])[None, None]
-                plan.chunks.append(CachedChunk(starts[i], q_len, slots, mask))
+                plan.chunks.append(CachedChunk(starts[i], q_len, slots))
         for q_len, seq_starts in fresh_by_len.items():
             idx = torch.tensor(seq_starts, device=device)[:, None] + torch.arange(q_len, device=device)[None, :]
             plan.fresh.append(FreshGroup(idx))
@@ -105,12 +146,16 @@ class TorchAttention:
             blocks = torch.gather(tables, 1, (pos // meta.block_size)[None, :].expand(len(decodes), -1).clamp(max=tables.shape[1] - 1))
             slots = torch.where(mask, blocks * meta.block_size + pos % meta.block_size, 0)
             token_idx = meta.query_start_loc[rows]
-            plan.decode = DecodeGroup(token_idx, slots, mask[:, None, None, :])
+            plan.decode = DecodeGroup(token_idx, slots, seq_lens)
         return plan
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TorchPlan) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TorchPlan, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
         num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        layer = layer or LayerAttention.plain(head_dim)
+        window = layer.window
         group = num_heads // kv_heads
         out = torch.empty_like(q)  # [T, H, D]
         for g in plan.fresh:
@@ -123,7 +168,9 @@ class TorchAttention:
             qs = q[g.token_idx].transpose(1, 2)  # [n, H, L, D]
             ks = k[g.token_idx].transpose(1, 2)  # [n, KVH, L, D]
             vs = v[g.token_idx].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=group > 1)
+            # the window only bites past its own length; below that, plain causal
+            mask = g.mask(window) if window is not None and window < length else None
+            o = attend(qs, ks, vs, mask, layer, group)
             out[g.token_idx.reshape(-1)] = o.transpose(1, 2).reshape(n * length, num_heads, head_dim)
         if plan.decode is not None:
             d = plan.decode
@@ -139,7 +186,7 @@ class TorchAttention:
             vs = v_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)
             # Fold the query heads of one kv head into the query axis: no repeat of K/V.
             qs = q[d.token_idx].view(bd, kv_heads, group, head_dim)  # [Bd, KVH, G, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask)
+            o = attend(qs, ks, vs, d.mask(window), layer, 1)
             out[d.token_idx] = o.reshape(bd, num_heads, head_dim)
         for c in plan.chunks:
             k_flat = k_cache.view(-1, kv_heads, head_dim)
@@ -147,6 +194,6 @@ class TorchAttention:
             ks = k_flat[c.slots].transpose(0, 1)[None]  # [1, KVH, S, D]
             vs = v_flat[c.slots].transpose(0, 1)[None]
             qs = q[c.start : c.start + c.length].transpose(0, 1)[None]  # [1, H, L, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask, enable_gqa=group > 1)
+            o = attend(qs, ks, vs, c.mask(window), layer, group)
             out[c.start : c.start + c.length] = o[0].transpose(0, 1)
         return out

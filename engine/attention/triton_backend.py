@@ -6,6 +6,8 @@ fp32 accumulation) over two ranges of keys, in tiles of BLOCK_N:
 - the cached context, positions 0..ctx-1, gathered from the paged cache by block table;
 - this step's fresh keys of the same sequence, positions ctx..p, read straight from k/v
   (so padding tokens, whose slots are -1 and never stored, still attend correctly).
+On a sliding-window layer both ranges start at the window's first position (p - window + 1);
+scores are scaled by the layer's scale and, when it asks, tanh soft-capped (Gemma 2).
 Semantics match `TorchAttention` (see backend.py / metadata.py). Simple, not tuned.
 """
 
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.backend import store_kv
+from engine.attention.backend import LayerAttention, store_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -38,8 +40,8 @@ def _paged_attention_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,  # k_cache and v_cache share strides
     stride_ot, stride_oh, stride_od,
     stride_bt,
-    scale, block_size, group,
-    D: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale, block_size, group, window, softcap,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,27 +58,32 @@ def _paged_attention_kernel(
     m_i = tl.full((), float("-inf"), tl.float32)  # running max
     l_i = tl.full((), 0.0, tl.float32)  # running sum of exp
     acc = tl.zeros((D,), dtype=tl.float32)  # [D]
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # first visible key position
 
     # 1) cached context: positions 0..ctx-1, gathered through the block table.
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo // BLOCK_N * BLOCK_N, ctx, BLOCK_N):
         kpos = start + n  # [BLOCK_N]
-        mask = kpos < ctx
+        mask = (kpos < ctx) & (kpos >= lo)
         block = tl.load(block_tables_ptr + seq * stride_bt + kpos // block_size, mask=mask, other=0).to(tl.int64)
         base = block * stride_cb + (kpos % block_size) * stride_co + kvh * stride_ch  # [BLOCK_N]
         offs = base[:, None] + d[None, :] * stride_cd  # [BLOCK_N, D]
         kt = tl.load(k_cache_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
         vt = tl.load(v_cache_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(mask, tl.sum(kt * q[None, :], axis=1), float("-inf"))  # [BLOCK_N]
+        s = tl.sum(kt * q[None, :], axis=1)  # [BLOCK_N]
+        if SOFTCAP:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+        s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no visible key
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         m_i = m_new
 
     # 2) fresh keys of this step: positions ctx..pos, rows q_start + (position - ctx).
     num_fresh = pos - ctx + 1
-    for start in range(0, num_fresh, BLOCK_N):
+    for start in range(tl.maximum(lo - ctx, 0), num_fresh, BLOCK_N):
         j = start + n  # [BLOCK_N]
         mask = j < num_fresh
         rows = (q_start + j).to(tl.int64)
@@ -84,10 +91,14 @@ def _paged_attention_kernel(
                      mask=mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
         vt = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + d[None, :] * stride_vd,
                      mask=mask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(mask, tl.sum(kt * q[None, :], axis=1), float("-inf"))
+        s = tl.sum(kt * q[None, :], axis=1)  # [BLOCK_N]
+        if SOFTCAP:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         m_i = m_new
@@ -117,9 +128,12 @@ class TritonAttention:
             token_pos=torch.tensor(positions, dtype=torch.int32).to(device),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TritonPlan) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TritonPlan, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
         num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]
+        layer = layer or LayerAttention.plain(head_dim)
         kv_heads = k.shape[1]  # k, v: [T, KVH, D]
         assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
         assert num_heads % kv_heads == 0 and k_cache.stride() == v_cache.stride()
@@ -132,7 +146,7 @@ class TritonAttention:
             plan.token_seq, plan.token_pos, meta.query_start_loc, meta.context_lens, block_tables,
             *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *out.stride(),
             block_tables.stride(0),
-            1.0 / head_dim**0.5, meta.block_size, num_heads // kv_heads,
-            D=head_dim, BLOCK_N=self.block_n,
+            layer.scale, meta.block_size, num_heads // kv_heads, layer.window or 0, layer.softcap or 1.0,
+            D=head_dim, BLOCK_N=self.block_n, SOFTCAP=layer.softcap is not None,
         )
         return out

