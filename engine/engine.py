@@ -106,7 +106,8 @@ class Engine:
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
         )
         if cfg.scheduler.calibrate_step_cost:
-            await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks)
+            await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks,
+                                    shape.max_position)
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:
             task = asyncio.create_task(actor.run(), name=f"stepwise-{name}")

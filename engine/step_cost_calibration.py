@@ -15,19 +15,21 @@ DECODE_BATCHES = ((1, 64), (8, 256), (32, 128), (64, 64))  # (sequences, context
 PREFILL_CHUNKS = ((32, 0), (128, 0), (256, 256), (512, 0))  # (tokens, context)
 
 
-def calibration_plans(block_size: int, num_blocks: int) -> list[StepPlan]:
+def calibration_plans(block_size: int, num_blocks: int, max_len: int) -> list[StepPlan]:
     plans = []
     for seqs, ctx in DECODE_BATCHES:
-        plans.append(_plan([(1, ctx)] * seqs, block_size, num_blocks))
+        plans.append(_plan([(1, ctx)] * seqs, block_size, num_blocks, max_len))
     for tokens, ctx in PREFILL_CHUNKS:
-        plans.append(_plan([(tokens, ctx)], block_size, num_blocks))
-    plans.append(_plan([(1, 128)] * 16 + [(128, 128)], block_size, num_blocks))  # a mixed step
+        plans.append(_plan([(tokens, ctx)], block_size, num_blocks, max_len))
+    plans.append(_plan([(1, 128)] * 16 + [(128, 128)], block_size, num_blocks, max_len))  # a mixed step
     return [p for p in plans if p is not None]
 
 
-def _plan(items: list[tuple[int, int]], block_size: int, num_blocks: int) -> StepPlan | None:
+def _plan(items: list[tuple[int, int]], block_size: int, num_blocks: int, max_len: int) -> StepPlan | None:
     out, next_block = [], 0
     for n, ctx in items:
+        if ctx + n > max_len:
+            return None  # a short-context model (tests): skip this shape
         blocks = -(-(ctx + n) // block_size)
         if next_block + blocks > num_blocks:
             return None  # a small pool (tests): skip this shape
@@ -38,8 +40,10 @@ def _plan(items: list[tuple[int, int]], block_size: int, num_blocks: int) -> Ste
     return StepPlan(step=0, items=out, token_budget=0)
 
 
-def calibrate(executor, model: StepCostModel, num_blocks: int, rounds: int = 2) -> None:
-    plans = calibration_plans(executor.block_size, num_blocks)
+def calibrate(executor, model: StepCostModel, num_blocks: int, max_len: int, rounds: int = 2) -> None:
+    plans = calibration_plans(executor.block_size, num_blocks, max_len)
+    if not plans:
+        return
     executor.run_plan(plans[0])  # warm-up: first-call costs (kernel loads) are not a step's
     for _ in range(rounds):
         for plan in plans:

@@ -33,7 +33,7 @@ from tests.paged import PagedRunner
 TEXT = "The quick brown fox jumps over the lazy dog; 敏捷的棕色狐狸跳过了懒狗。 Pack my box with five dozen jugs. "
 PROMPT_LENS = [9, 30, 47, 61]  # 47, 61 > window 24
 NEW_TOKENS = 32
-CHUNKED = {"max_num_batched_tokens": 32, "chunk_size": 16}
+CHUNKED = {"max_num_batched_tokens": 32, "chunk_size": 16, "max_step_ms": 0}  # token budget: chunks of exactly chunk_size
 
 
 def backends():
