@@ -63,7 +63,7 @@ class SchedulerConfig:
     batch_timeout_ms: int = 50
     max_waiting: int = 1024
     priority_aging_s: float = 0.0
-    max_step_ms: int = 0
+    max_step_ms: int = 1000
     min_chunk: int = 32
     calibrate_step_cost: bool = True
 

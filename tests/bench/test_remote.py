@@ -28,7 +28,8 @@ SUMMARY_KEYS = {  # every result has these; the rest depend on mode and workload
     "e2e_ms_p50", "e2e_ms_p99", "goodput_rps",
 }
 TAGGED_KEYS = {"long_ttft_ms_p50", "long_ttft_ms_max"}  # mixed and spike have "long" requests
-STEP_KEYS = {"num_steps", "padding_waste_pct", "preemptions", "prefix_cache_hit_rate", "tokens_processed"}  # in-process
+STEP_KEYS = {"num_steps", "padding_waste_pct", "preemptions", "prefix_cache_hit_rate", "tokens_processed",
+             "step_time_error_p50"}  # in-process (the step-cost model is calibrated at start-up)
 
 
 class ThreadedServer:

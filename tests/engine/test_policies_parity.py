@@ -33,7 +33,7 @@ CHINESE = (
 ) * 2
 PROMPT_LENS = [5, 200, 12, 150, 30, 90, 8, 180, 45, 60, 20, 120, 70, 100, 16, 35]
 MAX_TOKENS = [8 + (7 * i) % 17 for i in range(16)]  # 8..24
-CHUNKED = {"max_num_batched_tokens": 64, "chunk_size": 32}
+CHUNKED = {"max_num_batched_tokens": 64, "chunk_size": 32, "max_step_ms": 0}  # token budget
 
 
 @contextlib.contextmanager

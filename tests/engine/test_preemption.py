@@ -75,7 +75,7 @@ async def test_the_victim_is_the_lowest_priority_newest_request(tiny_model, prio
     """An older (or more important) request in chunked prefill and a newer one decoding: when
     the pool runs dry, the newer (less important) one is preempted — its already planned
     decode taken back — never the older prefill."""
-    cfg = tiny_config(policy="chunked", num_blocks=24, block_size=2, chunk_size=4, max_num_batched_tokens=8)
+    cfg = tiny_config(policy="chunked", num_blocks=24, block_size=2, chunk_size=4, max_num_batched_tokens=8, max_step_ms=0)
     async with asyncio.timeout(60):
         async with Engine(cfg, loaded=tiny_model) as engine:
             recorder = await StepRecorder(engine).start()

@@ -8,6 +8,7 @@ import pytest
 
 from engine import EngineConfig
 from engine.block_manager import KVFigures
+from engine.kv_ledger import KVLedger
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -23,7 +24,8 @@ class Clock:
 def scheduler(aging_s: float, clock: Clock) -> Scheduler:
     kv = SimpleNamespace(figures=KVFigures(8, 8, 0.0, 0.0, 0))
     policy = SimpleNamespace(name="continuous")
-    return Scheduler(policy, kv, execute=None, publish=None, pad_token_id=0, priority_aging_s=aging_s, clock=clock)
+    return Scheduler(policy, kv, KVLedger(8, 4), execute=None, publish=None, pad_token_id=0,
+                     priority_aging_s=aging_s, clock=clock)
 
 
 def request(i: int, priority: int, arrived: float) -> Request:

@@ -35,7 +35,7 @@ def kinds(record: dict) -> set[str]:
 
 
 async def test_chunked_mixes_a_prompt_chunk_with_decodes(tiny_model):
-    config = tiny_config(policy="chunked", max_num_batched_tokens=48, chunk_size=16)
+    config = tiny_config(policy="chunked", max_num_batched_tokens=48, chunk_size=16, max_step_ms=0)  # token budget
     async with serving(tiny_model, config) as (_, client):
         decoding = {"prompt": "decode me", "max_tokens": 200, "ignore_eos": True}
         long_prompt = {"prompt": "p" * 300, "max_tokens": 1}

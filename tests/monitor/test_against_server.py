@@ -20,7 +20,7 @@ http = pytest.importorskip("frontends.http")
 
 @contextlib.asynccontextmanager
 async def server(tiny_model, **overrides):
-    engine = Engine(tiny_config(max_num_batched_tokens=48, chunk_size=16, **overrides), loaded=tiny_model)
+    engine = Engine(tiny_config(max_num_batched_tokens=48, chunk_size=16, max_step_ms=0, **overrides), loaded=tiny_model)
     await engine.start()
     srv = TestServer(http.create_app(engine), host="127.0.0.1")
     await srv.start_server()
