@@ -46,17 +46,22 @@ class ChunkedPolicy(BasePolicy):
                 shape = shape.plus(1, req.num_computed_tokens, decode=True)
         timed = self.max_step_s > 0 and view.can_predict
         chunks = 0  # prefill pieces given this step
+        full = False  # the time budget is used up: no later prompt gets a token (FCFS)
 
         def size(req, cap: int) -> int:
             """Tokens of `req`'s prompt for this step: all `cap` unless the time budget says less."""
+            nonlocal full
             if not timed:
                 return min(cap, self.chunk_size)
+            if full:
+                return 0
             ctx = req.num_computed_tokens
             fits = lambda n: view.predict(shape.plus(n, ctx, decode=False)) <= self.max_step_s  # noqa: E731
             lo, hi = 0, cap  # the largest n with fits(n): predictions grow with n
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            full = lo < cap  # what is left of the budget is not for a younger prompt
             return lo if lo >= self.min_chunk or chunks else min(cap, self.min_chunk)
 
         for req in prefills:

@@ -81,3 +81,14 @@ def shape_of_decisions(decisions):
     from engine.step_cost import shape_of
 
     return shape_of((d.num_tokens, d.request.num_computed_tokens, d.num_tokens == 1) for d in decisions)
+
+
+def test_a_younger_prompt_gets_nothing_while_the_oldest_is_cut_by_the_time_budget():
+    class AttentionView(TimedView):
+        def predict(self, shape) -> float:  # a long context makes the oldest prompt's tokens dearer
+            return 0.002 + 0.001 * (shape.prefill_tokens + shape.decode_tokens) + 1e-6 * shape.attention_work
+
+    old = request(0, 3000, computed=2000)  # 1,000 to go, after 2,000 cached
+    view = AttentionView(running=[old], waiting=[request(1, 500)])
+    decisions = timed(view, max_step_ms=50, max_num_batched_tokens=512)
+    assert [d.request.request_id for d in decisions] == ["r0"]  # the slack left is not the newcomer's
