@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.chat_prompt import chat_prompt
 from engine.errors import RequestError
 
 LONG_PROMPT_CHARS = 2000  # tokenize on a worker thread beyond this (as intake does)
@@ -20,17 +21,7 @@ def _text_of(tokenizer, prompt: str | list[int] | None, messages: list[dict] | N
     if (prompt is None) == (messages is None):
         raise RequestError("give exactly one of prompt and messages", "prompt")
     if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise RequestError("messages must be a list of {role: str, content: str}", "messages")
-        if not messages:
-            raise RequestError("messages must not be empty", "messages")
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
-            raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
+        return chat_prompt(tokenizer, messages)  # the same rendering and errors as intake
     if isinstance(prompt, list):
         return list(prompt)
     if isinstance(prompt, str):
