@@ -7,8 +7,9 @@ importing torch and transformers.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_exports
 
 _WHERE = {
     "EngineConfig": "engine.config",
@@ -29,9 +30,4 @@ if TYPE_CHECKING:
     from engine.request import SamplingParams
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports("engine", _WHERE, globals())

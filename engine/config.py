@@ -131,6 +131,11 @@ class ClusterConfig:
         _require(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", "must be >= 1.0")
         _require(self.max_prefix_entries >= 1, "max_prefix_entries", "must be >= 1")
         _require(self.health_check_ms >= 10, "health_check_ms", "must be >= 10")
+        if self.replicas == 0:  # one engine in this process: a cluster setting would be silently unused
+            for f in fields(self):
+                if f.name != "replicas" and getattr(self, f.name) != f.default:
+                    _require(False, f.name, "has no effect with replicas = 0 (one engine in this process); "
+                             "set [cluster] replicas >= 1 (or --replicas N) or remove it")
 
 
 SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig,

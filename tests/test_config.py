@@ -131,8 +131,17 @@ def test_cluster_section_and_int_for_float():
     assert section_of("replica_cpus") == "cluster"
 
 
+@pytest.mark.parametrize("text, key", [
+    ('router = "round-robin"', "router"), ("replica_cpus = 2", "replica_cpus"), ('ray_address = "auto"', "ray_address"),
+])
+def test_cluster_keys_without_replicas_are_refused_naming_the_key(tmp_path, text, key):
+    with pytest.raises(ValueError, match=f"'{key}' has no effect with replicas = 0"):
+        EngineConfig.load(write_config(tmp_path, f"[cluster]\n{text}\n"))
+    assert EngineConfig.load(write_config(tmp_path, f"[cluster]\nreplicas = 1\n{text}\n")).cluster.replicas == 1
+
+
 def test_an_integer_is_accepted_for_a_float_key_but_a_bool_is_not(tmp_path):
-    config = EngineConfig.load(write_config(tmp_path, "[cluster]\nreplica_cpus = 2\nbalance_rel_threshold = 2\n"))
+    config = EngineConfig.load(write_config(tmp_path, "[cluster]\nreplicas = 2\nreplica_cpus = 2\nbalance_rel_threshold = 2\n"))
     assert config.cluster.replica_cpus == 2.0 and isinstance(config.cluster.replica_cpus, float)
     with pytest.raises(ValueError, match="replica_gpus"):
         EngineConfig.load(write_config(tmp_path, "[cluster]\nreplica_gpus = true\n"))

@@ -10,7 +10,7 @@ first replica; the state lists every replica with its health and in-flight count
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
@@ -91,20 +91,20 @@ async def engine_steps(request: web.Request) -> web.StreamResponse:
     streams = request.app[STEP_STREAMS]
     streams.add(records)
     with state.live.track():
-        response = await sse.open_stream(request, {REPLICA_HEADER: name})
         try:
-            async for record in records:
-                await response.write(sse.frame(record))
-            await response.write_eof()
-        except ConnectionResetError:
-            pass
-        except Exception:  # the replica went away (or shutdown cancelled the stream): end the response
-            with contextlib.suppress(ConnectionResetError):
-                await response.write_eof()
+            return await sse.relay(request, _until_gone(records), {REPLICA_HEADER: name})
         finally:
             streams.discard(records)
             records.cancel()
-        return response
+
+
+async def _until_gone(records: AsyncIterator[object]) -> AsyncIterator[object]:
+    """The replica's step records, ending quietly when it goes away (or shutdown cancels the stream)."""
+    try:
+        async for record in records:
+            yield record
+    except Exception:
+        return
 
 
 async def _end_step_streams(app: web.Application) -> None:

@@ -7,8 +7,9 @@ The names below are imported on first use (PEP 562), so that a client reading th
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from engine.lazy import lazy_exports
 
 _WHERE = {"HttpFrontend": "frontends.http.server", "create_app": "frontends.http.app"}
 __all__ = sorted(_WHERE)
@@ -18,9 +19,4 @@ if TYPE_CHECKING:
     from frontends.http.server import HttpFrontend
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'frontends.http' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_exports("frontends.http", _WHERE, globals())

@@ -56,11 +56,4 @@ async def engine_state(request: web.Request) -> web.Response:
 async def engine_steps(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     with state.live.track(), state.feed.subscribe() as records:
-        response = await sse.open_stream(request)
-        try:
-            async for record in records:
-                await response.write(sse.frame(record))
-            await response.write_eof()
-        except ConnectionResetError:
-            pass
-        return response
+        return await sse.relay(request, records)

@@ -44,6 +44,18 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
     return response
 
 
+async def relay(request: web.Request, events: AsyncIterator[object], headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """Open an SSE response and write each of `events` as a frame until they end or the client leaves."""
+    response = await open_stream(request, headers)
+    try:
+        async for event in events:
+            await response.write(frame(event))
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away
+    return response
+
+
 class SSEError(ValueError):
     """The stream is not SSE this reader accepts (or an event outgrew the limit)."""
 
