@@ -10,6 +10,7 @@ The result is what engine-bench measures: a RequestTiming per request and the ru
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -100,8 +101,9 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
             release_gated()
 
     def release_gated() -> None:
-        for i, at in arrivals.due(loop.time()):
-            loop.call_at(max(at, loop.time()) + trace[i].after_gate_s, send, i)
+        now = loop.time()
+        for i, at in arrivals.due(now):
+            sender.at(max(at, now) + trace[i].after_gate_s, i)
 
     def send(i: int) -> None:
         r = trace[i]
@@ -122,11 +124,12 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
         routed[int(name)] += 1
         replica.add(req)
 
+    sender = _Sender(loop, send)
     for i, r in enumerate(trace):
         if gated:
             loop.call_at(r.arrival_s, release_gated)
         else:
-            loop.call_at(r.arrival_s, send, i)
+            sender.at(r.arrival_s, i)
     if not trace:
         all_done.set_result(None)
     tasks = [t for rep in replicas for t in rep.tasks]
@@ -139,3 +142,31 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
     for rep in replicas:
         await rep.stop()
     return SimResult(list(timings), duration, 0.0, tally, steps, routed)
+
+
+class _Sender:
+    """Sends requests at their times, those due at the same time in trace order (the loop's
+    timers do not keep the order of equal times), with one timer armed at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send):
+        self.loop, self.send = loop, send
+        self.queue: list[tuple[float, int]] = []  # (time, trace index), a heap
+        self.timer: asyncio.TimerHandle | None = None
+
+    def at(self, when: float, index: int) -> None:
+        heapq.heappush(self.queue, (when, index))
+        if self.timer is None or when < self.timer.when():
+            self._arm()
+
+    def _arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_at(self.queue[0][0], self._fire) if self.queue else None
+
+    def _fire(self) -> None:
+        self.timer = None
+        now = self.loop.time()
+        while self.queue and self.queue[0][0] <= now:
+            self.send(heapq.heappop(self.queue)[1])
+        if self.timer is None:
+            self._arm()
