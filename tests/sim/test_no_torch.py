@@ -30,3 +30,26 @@ def test_simulating_imports_no_torch(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     summary = json.loads((tmp_path / "results.json").read_text())
     assert summary["results"]["chunked"]["num_requests"] == 24
+
+
+RESULT = """
+import json, sys
+from engine.sim import trace
+from engine.sim.simulator import simulate
+from tests.sim.util import CAL, config
+tr = trace.generate("shared-prefix", 5, 80, 6.0)
+r = simulate(tr, config(), CAL, replicas=3, router="prefix-affinity")
+print(json.dumps([r.routed, r.duration_s, [t.token_times for t in r.timings]]))
+"""
+
+
+def test_same_result_whatever_the_hash_seed():
+    """Nothing in the run depends on set or str-hash order (salted per process)."""
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", RESULT], capture_output=True, text=True, env=env, cwd=REPO,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        outs.append(out.stdout)
+    assert outs[0] == outs[1]
