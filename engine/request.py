@@ -82,11 +82,20 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.outputs = outputs if outputs is not None else OutputBuffer()  # bounded: a slow reader gets coalesced deltas
-        import torch  # here, not at the top: the messages (and so the monitor) import this module
+        self.seed = seed if seed is not None else params.seed  # None: drawn from torch's RNG on first use
+        self._generator = None
 
-        if seed is None:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        self.generator = torch.Generator().manual_seed(seed)
+    @property
+    def generator(self):
+        """The request's torch.Generator, made on first use. A greedy request samples nothing
+        at random, so it never makes one: the simulator runs the real scheduler without torch."""
+        if self._generator is None and self.params.temperature > 0:
+            import torch  # here, not at the top: the messages (and so the monitor) import this module
+
+            if self.seed is None:
+                self.seed = int(torch.randint(0, 2**62, ()).item())
+            self._generator = torch.Generator().manual_seed(self.seed)
+        return self._generator
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -68,7 +68,6 @@ class Scheduler:
         self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
         self._cached_this_step = 0  # prefix-cache hits of the step being planned
         self._finished: list[FinishedRequest] = []  # left since the last StepRecord
-        self.snapshot = self._snapshot()
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -121,11 +120,10 @@ class Scheduler:
             if not self._apply(msg):
                 return False
         elif self.inbox.empty():
-            return True  # nothing changed: the snapshot published after the last step stands
+            return True
         while not self.inbox.empty():
             if not self._apply(self.inbox.get_nowait()):
                 return False
-        self.snapshot = self._snapshot()
         return True
 
     def add(self, request: Request) -> None:
@@ -342,7 +340,6 @@ class Scheduler:
             self.ledger.apply(await self.kv.step(self.ledger.take()))
         if not self._finished:
             return
-        self.snapshot = self._snapshot()
         self.publish(StepRecord(
             step=self.step, start_time=time.time(), duration_s=0.0, forward_s=0.0, policy=self.policy.name,
             token_budget=self.policy.token_budget, items=[], num_prefill_tokens=0, num_decode_tokens=0,
@@ -362,7 +359,6 @@ class Scheduler:
             if it.num_padding:
                 kinds["padding"] += it.num_padding
                 items.append(StepItem(it.request_id, "padding", it.num_padding, it.start_pos + n))
-        self.snapshot = self._snapshot()
         self.publish(StepRecord(
             step=plan.step, start_time=result.start_time, duration_s=result.duration_s, forward_s=result.forward_s,
             policy=self.policy.name,
@@ -374,7 +370,11 @@ class Scheduler:
         ))
         self._finished = []
 
-    def _snapshot(self) -> EngineSnapshot:
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The queues and KV figures now, built when asked (the monitor, /v1/engine/state) rather
+        than every step: it costs a struct per queued request. Other tasks read it only while
+        the scheduler awaits (the inbox, the block manager, the executor), so it is never torn."""
         figures = self.kv.figures
 
         def snap(r: Request) -> RequestSnapshot:

@@ -51,10 +51,16 @@ def attention_pairs(new_tokens: int, context_len: int) -> float:
 
 def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
     """items: (new tokens, context length, is a decode)."""
-    shape = StepShape()
-    for n, ctx, decode in items:
-        shape = shape.plus(n, ctx, decode)
-    return shape
+    prefill = decode_tokens = seqs = 0
+    work = 0.0
+    for n, ctx, decode in items:  # what chained `plus` calls give, without a struct per item
+        if decode:
+            decode_tokens += n
+        else:
+            prefill += n
+        seqs += 1
+        work += attention_pairs(n, ctx)
+    return StepShape(prefill, decode_tokens, seqs, work)
 
 
 class CostFigures(msgspec.Struct, frozen=True, kw_only=True):

@@ -58,9 +58,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-batch-size", type=int, default=16, help="transformers-static: requests per generate call")
     p.add_argument("--compute-limit", action="store_true",
                    help="in-process: measure the prefill rate and report each target's fraction of the compute limit")
+    p.add_argument("--save-trace", metavar="PATH",
+                   help="write each run's trace (when each request was sent, token counts) as engine-sim JSONL")
+    p.add_argument("--save-steps", metavar="PATH", help="in-process: write each run's StepRecords as JSONL (engine-sim calibrate)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
+
+
+def _per_target(path: str, name: str, num_targets: int) -> Path:
+    """PATH itself for one target; PATH with the target's name before the suffix for several."""
+    p = Path(path)
+    if num_targets == 1:
+        return p
+    return p.with_name(f"{p.stem}.{name.replace(' ', '_').replace('=', '-')}{p.suffix}")
+
+
+def _save_run(args, name: str, num_targets: int, requests, timings, start: float, steps) -> None:
+    if args.save_trace:
+        from engine.sim import trace
+
+        # _paced keeps the requests' order; the first send is at the earliest offset, not at 0
+        first = min(r.arrival_s for r in requests)
+        sent = [t.arrival - start + first for t in timings]
+        trace.save(trace.from_bench(requests, sent), _per_target(args.save_trace, name, num_targets))
+    if args.save_steps and steps is not None:
+        import msgspec
+
+        enc = msgspec.json.Encoder()
+        with open(_per_target(args.save_steps, name, num_targets), "wb") as f:
+            for s in steps:
+                f.write(enc.encode(s) + b"\n")
 
 
 def _coerce(key: str, value: str):
@@ -139,6 +167,8 @@ async def _bench(args) -> dict:
     results, runs = {}, {}
     vocab_size = args.vocab_size or 20000
     peer_names = _peers(args)
+    if args.save_steps and (args.url or peer_names):
+        raise SystemExit("--save-steps records the engine's steps: in-process only, without --url or --peer")
     if args.url and args.compute_limit:
         raise SystemExit("--compute-limit measures the loaded model: in-process only, not with --url")
     if args.url:
@@ -189,6 +219,7 @@ async def _bench(args) -> dict:
             print(f"{name}: {len(failed)} of {len(timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
         results[name] = report.result(timings, duration, steps, args.slo_ttft_ms, args.slo_itl_ms)
         runs[name] = {"timings": timings, "steps": steps, "start": start}
+        _save_run(args, name, len(targets), requests, timings, start, steps)
     summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results,
                # the machine running engine-bench (in-process: the engine's and the peers' CPU)
                "cpu": cpu_info().as_dict(), "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]}}

@@ -24,7 +24,7 @@ VOCAB = 259  # tiny-random's byte tokenizer
 
 SUMMARY_KEYS = {  # every result has these; the rest depend on mode and workload
     "num_requests", "num_failed", "duration_s", "output_tokens", "output_tokens_per_s", "requests_per_s",
-    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "itl_ms_max", "tpot_ms_p50", "tpot_ms_p99",
+    "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "itl_ms_max", "tpot_ms_p50", "tpot_ms_p99",
     "e2e_ms_p50", "e2e_ms_p99", "goodput_rps",
 }
 TAGGED_KEYS = {"long_ttft_ms_p50", "long_ttft_ms_max"}  # mixed and spike have "long" requests

@@ -1,0 +1,120 @@
+"""A step-time calibration: what one machine takes per step, fitted from a real run's steps.
+
+Two models over a step's composition (`engine.step_cost`'s terms):
+- forward: the model forward alone (`StepRecord.forward_s`), the scheduler's own
+  `StepCostModel` fit (non-negative least squares, relative errors) over every step;
+- overhead: the rest of a step's cycle — batch building, sampling, scheduling, publishing —
+  `fixed + per sequence`, fitted on the gap from one step's start to the next's minus its
+  forward, over steps that were followed at once by another (requests still running).
+
+A simulated step lasts forward + overhead; the scheduler sees forward as its `forward_s`, as
+it would in the engine. Saved as JSON with the CPU, model name and dtype it was measured on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from engine.messages import StepRecord
+from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
+
+OVERHEAD_NAMES = ("fixed", "sequence")
+
+
+class Calibration(msgspec.Struct, frozen=True, kw_only=True):
+    forward: dict[str, float]  # seconds per unit of each step_cost term
+    overhead: dict[str, float]  # seconds: fixed + per sequence
+    num_steps: int  # steps fitted
+    forward_r2: float | None = None
+    forward_error_p50: float | None = None  # median |predicted - actual| / actual over the steps fitted
+    model: str = ""
+    dtype: str = ""
+    cpu: dict = {}
+    max_model_len: int | None = None  # the model's context (requests longer are refused, as intake does)
+    source: str = ""
+
+    def __post_init__(self):
+        if set(self.forward) != set(NAMES):
+            raise ValueError(f"calibration forward terms must be {NAMES}, got {sorted(self.forward)}")
+        if set(self.overhead) != set(OVERHEAD_NAMES):
+            raise ValueError(f"calibration overhead terms must be {OVERHEAD_NAMES}, got {sorted(self.overhead)}")
+        if any(v < 0 for v in (*self.forward.values(), *self.overhead.values())):
+            raise ValueError("calibration coefficients must be >= 0")
+
+    def forward_s(self, shape: StepShape) -> float:
+        f = self.forward
+        return (f["fixed"] + f["prefill_token"] * shape.prefill_tokens + f["decode_token"] * shape.decode_tokens
+                + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work)
+
+    def overhead_s(self, shape: StepShape) -> float:
+        return self.overhead["fixed"] + self.overhead["sequence"] * shape.num_seqs
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        try:
+            return msgspec.json.decode(Path(path).read_bytes(), type=cls)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ValueError(f"{path}: not a calibration: {e}") from None
+
+
+def record_shape(rec: StepRecord) -> StepShape:
+    """The cost model's view of a recorded step: as `scheduler.plan_shape` saw its plan (a
+    padding item belongs to the item before it, one sequence of tokens + pads)."""
+    items: list[list] = []  # [tokens, position, is decode]
+    for it in rec.items:
+        if it.kind == "padding" and items and items[-1][3] == it.request_id:
+            items[-1][0] += it.num_tokens
+            items[-1][2] = False
+        else:
+            items.append([it.num_tokens, it.position, it.kind == "decode", it.request_id])
+    return shape_of((n, pos, decode) for n, pos, decode, _ in items)
+
+
+def fit(records: list[StepRecord], **meta) -> Calibration:
+    steps = [r for r in records if not r.is_idle and r.error is None and r.forward_s > 0]
+    if len(steps) < 2 * len(NAMES):
+        raise ValueError(f"{len(steps)} usable steps: need at least {2 * len(NAMES)} to fit a calibration")
+    shapes = [record_shape(r) for r in steps]
+    model = StepCostModel(window=len(steps), refit_every=len(steps) + 1)  # one fit, over all of them
+    for shape, r in zip(shapes, steps):
+        model.observe(shape, r.forward_s)
+    model.fit()
+    errors = sorted(abs(model.predict(s) - r.forward_s) / r.forward_s for s, r in zip(shapes, steps))
+    return Calibration(
+        forward=dict(zip(NAMES, map(float, model.coef))), overhead=_fit_overhead(steps, shapes), num_steps=len(steps),
+        forward_r2=model.r2, forward_error_p50=errors[len(errors) // 2], **meta,
+    )
+
+
+def _fit_overhead(steps: list[StepRecord], shapes: list[StepShape]) -> dict[str, float]:
+    """fixed + per-sequence seconds between one step's forward end and the next step's start,
+    from consecutive steps with requests still running between them (so the next step
+    started as soon as the engine could). The slowest 5 % (a GC pause, a busy machine) are left out."""
+    x, y = [], []
+    for a, b, shape in zip(steps, steps[1:], shapes):
+        if b.step != a.step + 1 or a.num_running == 0:
+            continue
+        gap = b.start_time - a.start_time - a.forward_s
+        if gap >= 0:
+            x.append([1.0, shape.num_seqs])
+            y.append(gap)
+    if len(y) < 4:
+        return {"fixed": 0.0, "sequence": 0.0}
+    xs, ys = np.asarray(x), np.asarray(y)
+    keep = ys <= np.quantile(ys, 0.95)
+    xs, ys = xs[keep], ys[keep]
+    coef = nonnegative_least_squares(xs, ys)
+    return dict(zip(OVERHEAD_NAMES, map(float, coef)))
+
+
+def load_steps(path: str | Path) -> list[StepRecord]:
+    """A StepRecord JSONL (`engine-bench --save-steps`)."""
+    dec = msgspec.json.Decoder(StepRecord)
+    with open(path, "rb") as f:
+        return [dec.decode(line) for line in f if line.strip()]

@@ -1,0 +1,333 @@
+"""engine-sim: what-if replay of a trace through the real scheduler on a virtual clock.
+
+    engine-sim calibrate --steps bench-out/steps.jsonl --out calibration.json
+    engine-sim calibrate --run --out calibration.json          # a short real run (needs torch)
+    engine-sim run --calibration calibration.json --workload sharegpt-like --rate 4 --num-requests 2000
+    engine-sim run --calibration c.json --trace trace.jsonl --set policy=continuous --set num_blocks=768
+    engine-sim run --calibration c.json --workload spike-overlap --sweep max_step_ms=200,400,800
+    engine-sim run --calibration c.json --workload sharegpt-like --rate 20 --duration-s 600 \\
+        --replicas 8 --router prefix-affinity
+    engine-sim run --calibration c.json --workload sharegpt-like --num-requests 400 \\
+        --slo-ttft-ms 2000 --slo-itl-ms 500 --goodput --sweep replicas=1,2,4,8
+
+`run` needs no torch, model or tokenizer. It prints engine-bench's table (plus the simulated /
+wall-clock time ratio) and writes results.json and plots (when matplotlib is installed) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from engine.bench import report, workload
+from engine.config import EngineConfig, all_keys
+from engine.sim import goodput, trace as traces
+from engine.sim.calibration import Calibration, fit, load_steps
+from engine.sim.simulator import ROUTERS, SimResult, simulate
+
+SIM_KEYS = ("replicas", "router")  # swept like config keys, but they shape the cluster, not an engine
+MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="engine-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="simulate a trace or a workload")
+    r.add_argument("--calibration", required=True, help="JSON from `engine-sim calibrate`")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="trace JSONL (engine-bench --save-trace writes one)")
+    src.add_argument("--workload", choices=sorted(workload.WORKLOADS), help="a bench workload (default sharegpt-like)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--num-requests", type=int, help="workload size (the bench's default 64 if neither this nor --duration-s)")
+    r.add_argument("--rate", type=float, default=0.0, help="arrivals per second; 0 = all at once")
+    r.add_argument("--arrival", choices=traces.ARRIVALS, default="poisson")
+    r.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation of the gaps")
+    r.add_argument("--duration-s", type=float, help="with --rate: as many requests as arrive in this long")
+    r.add_argument("--config", default="config.toml")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
+    r.add_argument("--replicas", type=int, default=1)
+    r.add_argument("--router", choices=sorted(ROUTERS), default="round-robin")
+    r.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one run per value of a config key, replicas or router")
+    r.add_argument("--slo-ttft-ms", type=float)
+    r.add_argument("--slo-itl-ms", type=float)
+    r.add_argument("--goodput", action="store_true",
+                   help=f"find the highest rate at which >= {goodput.TARGET:.0%} of requests meet both SLOs (bisection)")
+    r.add_argument("--goodput-start", type=float, default=1.0, help="the first rate the goodput search tries")
+    r.add_argument("--save-steps", metavar="PATH", help="write replica 0's StepRecords as JSONL (one run, not a sweep)")
+    r.add_argument("--out", default="sim-out")
+    r.add_argument("--no-plots", action="store_true")
+    c = sub.add_parser("calibrate", help="fit a step-time calibration from a real run's steps")
+    c.add_argument("--steps", action="append", default=[], metavar="PATH", help="StepRecord JSONL (engine-bench --save-steps)")
+    c.add_argument("--run", action="store_true", help="make a short real run of --workload on the configured model (needs torch)")
+    c.add_argument("--workload", default="mixed", choices=sorted(workload.WORKLOADS), help="--run: the workload")
+    c.add_argument("--num-requests", type=int, help="--run: the workload size")
+    c.add_argument("--config", default="config.toml")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override (--run)")
+    c.add_argument("--model", help="the model name to record (default: the config's)")
+    c.add_argument("--dtype", help="the dtype to record (default: the config's)")
+    c.add_argument("--max-model-len", type=int, help="the model's context (--run: read from the model)")
+    c.add_argument("--out", default="calibration.json")
+    return p.parse_args(argv)
+
+
+# --- config -----------------------------------------------------------------------------------
+
+def _coerce(key: str, value: str):
+    if key == "replicas":
+        try:
+            n = int(value)
+        except ValueError:
+            raise SystemExit(f"replicas: bad value {value!r}") from None
+        if n < 1:
+            raise SystemExit(f"replicas must be >= 1, got {n}")
+        return n
+    if key == "router":
+        if value not in ROUTERS:
+            raise SystemExit(f"router: {value!r} is not one of {sorted(ROUTERS)}")
+        return value
+    keys = all_keys()
+    if key not in keys:
+        raise SystemExit(f"unknown config key {key!r}")
+    typ = keys[key][1]
+    try:
+        return value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+    except ValueError:
+        raise SystemExit(f"config key {key!r}: bad value {value!r}") from None
+
+
+def _base_config(args) -> EngineConfig:
+    overrides = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
+        if key in SIM_KEYS:
+            raise SystemExit(f"--set {key}: use --{key}")
+        overrides[key] = _coerce(key, value)
+    try:
+        return EngineConfig.load(args.config if Path(args.config).exists() else None, **overrides)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str]]:
+    """(name, config, replicas, router) per run."""
+    if not args.sweep:
+        return [(base.scheduler.policy, base, args.replicas, args.router)]
+    key, _, values = args.sweep.partition("=")
+    if not values:
+        raise SystemExit("--sweep wants KEY=V1,V2,...")
+    out = []
+    for raw in values.split(","):
+        v = _coerce(key, raw)
+        replicas, router, config = args.replicas, args.router, base
+        if key == "replicas":
+            replicas = v
+        elif key == "router":
+            router = v
+        else:
+            try:
+                config = base.with_overrides(**{key: v})
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+        out.append((f"{key}={raw}", config, replicas, router))
+    return out
+
+
+# --- the trace ----------------------------------------------------------------------------------
+
+def _num_requests(args, rate: float) -> int | None:
+    if args.duration_s is not None:
+        if rate <= 0:
+            raise SystemExit("--duration-s needs a --rate > 0")
+        return max(1, math.ceil(rate * args.duration_s))
+    return args.num_requests
+
+
+def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
+    """The run's trace; with `rate`, the same traffic at that rate (goodput probes)."""
+    try:
+        if args.trace:
+            trace = traces.load(args.trace)
+            if rate is None:
+                return trace
+            span = max(r.arrival_s for r in trace) - min(r.arrival_s for r in trace)
+            if span <= 0:
+                raise SystemExit("--goodput over a trace needs arrivals spread in time (its rate is scaled)")
+            return traces.scale_rate(trace, rate / ((len(trace) - 1) / span))
+        name = args.workload or "sharegpt-like"
+        r = args.rate if rate is None else rate
+        return traces.generate(name, args.seed, _num_requests(args, r), r, args.arrival, args.cv)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+# --- run ----------------------------------------------------------------------------------------
+
+def _figures(res: SimResult, args, replicas: int, router: str) -> dict:
+    out = report.result(res.timings, res.duration_s, None, args.slo_ttft_ms, args.slo_itl_ms)
+    out.update(res.tally.figures())
+    if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
+        out["slo_met_fraction"] = goodput.fraction_meeting(res.timings, _s(args.slo_ttft_ms), _s(args.slo_itl_ms))
+    out.update(replicas=replicas, router=router, routed=res.routed, sim_wall_s=res.wall_s,
+               sim_speedup=res.speedup)
+    return out
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
+def _run(args) -> dict:
+    try:
+        cal = Calibration.load(args.calibration)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--calibration: {e}") from None
+    if args.goodput and args.slo_ttft_ms is None and args.slo_itl_ms is None:
+        raise SystemExit("--goodput needs --slo-ttft-ms and/or --slo-itl-ms")
+    if args.goodput and args.workload in ("spike", "spike-overlap"):
+        raise SystemExit(f"--goodput varies the arrival rate: workload {args.workload!r} sets its own arrivals")
+    if args.goodput and not args.trace and args.duration_s is None:
+        raise SystemExit("--goodput needs --duration-s: each rate probed runs that long (a fixed number of "
+                         "requests becomes one burst at a high rate, which any cluster drains)")
+    if args.save_steps and args.sweep:
+        raise SystemExit("--save-steps writes one run's steps: not with --sweep")
+    base = _base_config(args)
+    targets = _targets(args, base)
+    trace = _trace(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results, runs, found = {}, {}, {}
+    keep = bool(args.save_steps) or (not args.no_plots and len(trace) <= MAX_PLOTTED_REQUESTS and not args.sweep)
+    load_before = os.getloadavg()[0]
+    for name, config, replicas, router in targets:
+        res = simulate(trace, config, cal, replicas, router, keep_steps=keep)
+        failed = [t for t in res.timings if not t.ok]
+        if failed:
+            print(f"{name}: {len(failed)} of {len(res.timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
+        results[name] = _figures(res, args, replicas, router)
+        runs[name] = {"timings": res.timings, "steps": res.steps or [], "start": 0.0}
+        print(f"{name}: {res.duration_s:.1f} s simulated in {res.wall_s:.2f} s wall ({res.speedup:.1f}x)", file=sys.stderr)
+        if args.goodput:
+            def probe(rate, config=config, replicas=replicas, router=router):
+                r = simulate(_trace(args, rate), config, cal, replicas, router)
+                return goodput.fraction_meeting(r.timings, _s(args.slo_ttft_ms), _s(args.slo_itl_ms))
+
+            rate, probes = goodput.find(probe, args.goodput_start)
+            bounded = any(frac < goodput.TARGET for _, frac in probes)
+            found[name] = {"rate": rate, "bounded": bounded, "probes": probes}
+            results[name]["goodput_rate"] = rate
+            print(f"{name}: goodput {'' if bounded else '>= '}{rate:.2f} req/s ({len(probes)} probes)", file=sys.stderr)
+        if args.save_steps:
+            _save_steps(res.steps or [], args.save_steps)
+    summary = {
+        "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": args.rate,
+                                "arrival": args.arrival, "cv": args.cv},
+        "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
+        "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype, "cpu": cal.cpu,
+                        "source": cal.source, "forward_error_p50": cal.forward_error_p50},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "target_fraction": goodput.TARGET},
+        "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
+    }
+    summary["plots"] = [] if args.no_plots else _plots(args, targets, results, runs, found, out_dir)
+    summary = _finite(summary)
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    return summary
+
+
+def _save_steps(steps, path: str) -> None:
+    import msgspec
+
+    enc = msgspec.json.Encoder()
+    with open(path, "wb") as f:
+        for s in steps:
+            f.write(enc.encode(s) + b"\n")
+
+
+def _plots(args, targets, results: dict, runs: dict, found: dict, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    from engine.sim import plots
+
+    if args.sweep:
+        key, _, raw = args.sweep.partition("=")
+        values = [_coerce(key, v) for v in raw.split(",")]
+        paths = [report.plot_sweep(key, values, list(results.values()), out_dir, policy=targets[0][1].scheduler.policy)]
+        if found:
+            paths.append(plots.goodput(key, values, [found[n]["rate"] for n, *_ in targets], out_dir))
+        return paths
+    if sum(len(r["timings"]) for r in runs.values()) > MAX_PLOTTED_REQUESTS:
+        print(f"more than {MAX_PLOTTED_REQUESTS} requests: per-request plots skipped", file=sys.stderr)
+        return []
+    return report.plot(runs, out_dir, None)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+# --- calibrate ------------------------------------------------------------------------------------
+
+def _calibrate(args) -> Calibration:
+    from engine.cpu import cpu_info
+
+    if not args.steps and not args.run:
+        raise SystemExit("calibrate needs --steps PATH (engine-bench --save-steps) or --run")
+    base = _base_config(args)
+    records, max_len, model = [], args.max_model_len, args.model or base.model.model
+    for path in args.steps:
+        try:
+            records += load_steps(path)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--steps {path}: {e}") from None
+    if args.run:
+        from engine.sim.calibration_run import calibration_run
+
+        run_records, run_max_len, run_model = calibration_run(base, args.workload, args.num_requests)
+        records += run_records
+        max_len = max_len or run_max_len
+        model = args.model or run_model
+    try:
+        cal = fit(records, model=model, dtype=args.dtype or base.model.dtype, cpu=cpu_info().as_dict(),
+                  max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    cal.save(args.out)
+    return cal
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.command == "calibrate":
+        cal = _calibrate(args)
+        print(f"fitted {cal.num_steps} steps: forward R² {cal.forward_r2:.3f}, median error "
+              f"{cal.forward_error_p50:.1%}; overhead {cal.overhead['fixed'] * 1000:.2f} ms + "
+              f"{cal.overhead['sequence'] * 1000:.3f} ms/sequence")
+        print(f"model {cal.model} ({cal.dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
+        return
+    summary = _run(args)
+    cal = summary["calibration"]
+    print(f"\ntrace {json.dumps(summary['trace'])} ({summary['num_requests']} requests); calibration {cal['model']} "
+          f"({cal['dtype']}) on {(cal['cpu'] or {}).get('model', '?')}\n")
+    print(report.table(summary["results"]))
+    for name, r in summary["results"].items():
+        extra = f", goodput {r['goodput_rate']:.2f} req/s" if r.get("goodput_rate") is not None else ""
+        print(f"{name}: simulated/wall {r['sim_speedup']:.1f}x ({r['sim_wall_s']:.2f} s wall){extra}")
+    print(f"\nwrote {args.out}/results.json" + (f" and {len(summary['plots'])} plot(s)" if summary["plots"] else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Simulator accuracy: real engine-bench runs vs engine-sim on the same traces, error per figure.
+
+    python examples/sim_accuracy.py --calibration calibration.json
+    python examples/sim_accuracy.py --calibration c.json --workloads mixed --policies chunked --out acc-out
+
+For each workload and policy: run engine-bench for real (in-process, saving its trace: when each
+request was actually sent), replay that trace through engine-sim with the same config, and print
+each figure and its relative error |sim - real| / real. The calibration should come from a
+different run than the ones checked (`engine-sim calibrate --run` or `--steps` of another bench
+run), on the same machine, model and dtype. Run on a quiet machine: a figure of a loaded machine
+is the load's, not the engine's. Writes accuracy.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FIGURES = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p99")
+GOAL, LIMIT = 0.10, 0.15  # the issue's goal and bound on each figure's error
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--workloads", default="mixed,spike-overlap,sharegpt-like")
+    p.add_argument("--policies", default="continuous,chunked")
+    p.add_argument("--num-requests", type=int, help="default: each workload's own")
+    p.add_argument("--rate", type=float, default=0.0, help="sharegpt-like / mixed arrivals per second (0 = at once)")
+    p.add_argument("--config", default="config.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default="sim-accuracy")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for wl in args.workloads.split(","):
+        for policy in args.policies.split(","):
+            rows.append(compare(args, wl, policy, out / f"{wl}-{policy}"))
+    print(f"\nload 1m now {os.getloadavg()[0]:.2f}; error = |sim - real| / real; goal {GOAL:.0%}, bound {LIMIT:.0%}\n")
+    print("| workload | policy | " + " | ".join(f"{f} real / sim / err" for f in FIGURES) + " |")
+    print("|---|---|" + "---:|" * len(FIGURES))
+    worst = 0.0
+    for r in rows:
+        cells = []
+        for f in FIGURES:
+            real, sim, err = r["real"].get(f), r["sim"].get(f), r["error"].get(f)
+            worst = max(worst, err) if err is not None else worst
+            cells.append("–" if err is None else f"{real:.0f} / {sim:.0f} / {err:.1%}")
+        print(f"| {r['workload']} | {r['policy']} | " + " | ".join(cells) + " |")
+    print(f"\nworst error {worst:.1%} ({'within' if worst <= LIMIT else 'OVER'} the {LIMIT:.0%} bound)")
+    (out / "accuracy.json").write_text(json.dumps(rows, indent=2))
+
+
+def compare(args, workload: str, policy: str, d: Path) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    common = ["--config", args.config, *sum((["--set", s] for s in args.set), [])]
+    sizing = (["--num-requests", str(args.num_requests)] if args.num_requests else [])
+    rate = ["--rate", str(args.rate)] if args.rate and not workload.startswith("spike") else []
+    trace, real_dir, sim_dir = d / "trace.jsonl", d / "real", d / "sim"
+    subprocess.run([sys.executable, "-m", "engine.bench.cli", *common, "--workload", workload, "--policies", policy,
+                    *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace)], check=True)
+    subprocess.run([sys.executable, "-m", "engine.sim.cli", "run", *common, "--set", f"policy={policy}",
+                    "--calibration", args.calibration, "--trace", str(trace), "--no-plots", "--out", str(sim_dir)],
+                   check=True)
+    real = json.loads((real_dir / "results.json").read_text())["results"][policy]
+    sim = json.loads((sim_dir / "results.json").read_text())["results"][policy]
+    error = {}
+    for f in FIGURES:
+        a, b = real.get(f), sim.get(f)
+        error[f] = abs(b - a) / a if a and b is not None and math.isfinite(a) and math.isfinite(b) else None
+    return {"workload": workload, "policy": policy, "real": {f: real.get(f) for f in FIGURES},
+            "sim": {f: sim.get(f) for f in FIGURES}, "error": error}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Calibration: steps recorded on a known machine give that machine back."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sim import trace as traces
+from engine.sim.calibration import Calibration, fit, load_steps, record_shape
+from engine.sim.simulator import simulate
+from tests.sim.util import CAL, config
+
+
+def recorded(policy: str, **kw):
+    trace = traces.generate("mixed", seed=1, num_requests=48, rate=4.0)
+    return simulate(trace, config(policy=policy, **kw), CAL, keep_steps=True).steps
+
+
+@pytest.mark.parametrize("policy", ["continuous", "chunked", "static"])
+def test_fit_recovers_the_machine(policy, tmp_path):
+    steps = recorded(policy)
+    cal = fit(steps, model="fake", dtype="float32")
+    for name, want in CAL.forward.items():
+        assert cal.forward[name] == pytest.approx(want, rel=1e-3, abs=1e-12), name
+    for name, want in CAL.overhead.items():
+        assert cal.overhead[name] == pytest.approx(want, rel=1e-3, abs=1e-9), name
+    assert cal.forward_error_p50 < 1e-6
+    cal.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == cal
+
+
+def test_record_shape_is_the_plan_shape_including_padding():
+    steps = recorded("static")
+    assert any(r.num_padding_tokens for r in steps)
+    for r in steps:
+        assert CAL.forward_s(record_shape(r)) == pytest.approx(r.forward_s)
+
+
+def test_steps_file_round_trip(tmp_path):
+    import msgspec
+
+    steps = recorded("chunked")
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(s) + b"\n" for s in steps))
+    assert load_steps(path) == steps
+
+
+def test_bad_calibrations_are_refused(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"forward": {"fixed": 1}, "overhead": {"fixed": 0, "sequence": 0}, "num_steps": 1}')
+    with pytest.raises(ValueError, match="forward terms"):
+        Calibration.load(path)
+    with pytest.raises(ValueError, match="usable steps"):
+        fit(recorded("chunked")[:3])
+

@@ -1,0 +1,65 @@
+"""engine-bench writes a run's trace and steps; engine-sim calibrates from the steps and replays
+the trace (tiny random model for the real run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.bench import cli as bench_cli
+from engine.sim import cli
+from engine.sim import trace as traces
+from engine.sim.calibration import Calibration
+from tests.sim.util import CAL
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = ["--config", str(REPO / "config.toml"), "--set", "model=tiny-random", "--set", "num_blocks=256"]
+
+
+def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
+    bench_cli.main([*COMMON, "--workload", "mixed", "--num-requests", "8", "--policies", "chunked", "--no-plots",
+                    "--out", str(tmp_path / "bench"), "--save-trace", str(tmp_path / "trace.jsonl"),
+                    "--save-steps", str(tmp_path / "steps.jsonl")])
+    real = json.loads((tmp_path / "bench" / "results.json").read_text())["results"]["chunked"]
+    trace = traces.load(tmp_path / "trace.jsonl")
+    assert len(trace) == 8 and sum(r.output_tokens for r in trace) == real["output_tokens"]
+    cli.main(["calibrate", *COMMON, "--steps", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "cal.json")])
+    cal = Calibration.load(tmp_path / "cal.json")
+    assert cal.model == "tiny-random" and cal.dtype == "float32" and cal.cpu["model"] and cal.num_steps == real["num_steps"]
+    cli.main(["run", *COMMON, "--set", "policy=chunked", "--calibration", str(tmp_path / "cal.json"),
+              "--trace", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "sim")])
+    summary = json.loads((tmp_path / "sim" / "results.json").read_text())
+    sim = summary["results"]["chunked"]
+    assert sim["output_tokens"] == real["output_tokens"] and sim["num_failed"] == 0
+    # same trace, same policy and pool: the same work (each prompt token once, no preemption here)
+    assert sim["tokens_processed"] == real["tokens_processed"]
+    assert sorted(Path(p).name for p in summary["plots"]) == ["itl_over_time.png", "step_composition.png", "ttft_cdf.png"]
+    out = capsys.readouterr().out
+    assert "| chunked |" in out and "simulated/wall" in out
+
+
+def test_sweep_with_goodput(tmp_path, capsys):
+    CAL.save(tmp_path / "cal.json")
+    cli.main(["run", *COMMON, "--calibration", str(tmp_path / "cal.json"), "--workload", "sharegpt-like",
+              "--rate", "2", "--duration-s", "20", "--slo-ttft-ms", "3000", "--slo-itl-ms", "400", "--goodput",
+              "--sweep", "replicas=1,2", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "results.json").read_text())
+    one, two = (summary["results"][f"replicas={n}"] for n in (1, 2))
+    assert 0 < one["goodput_rate"] < two["goodput_rate"]
+    assert all(g["bounded"] for g in summary["goodput"].values())
+    assert sorted(Path(p).name for p in summary["plots"]) == ["goodput_replicas.png", "sweep_replicas.png"]
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--sweep", "no_such_key=1,2"], "unknown config key"),
+    (["--set", "policy=fifo"], "policy"),
+    (["--goodput", "--slo-ttft-ms", "100"], "--duration-s"),
+    (["--goodput"], "--slo"),
+    (["--sweep", "router=random"], "router"),
+])
+def test_refusals(tmp_path, args, why):
+    CAL.save(tmp_path / "cal.json")
+    with pytest.raises(SystemExit, match=why):
+        cli.main(["run", *COMMON, "--calibration", str(tmp_path / "cal.json"), "--out", str(tmp_path), *args])

@@ -1,0 +1,131 @@
+"""The simulator end to end on a known fake machine: determinism, KV exhaustion and
+preemption, refusals as intake refuses, replicas behind each router."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.sim import trace as traces
+from engine.sim.simulator import simulate
+from engine.sim.trace import TraceRequest
+from tests.sim.util import CAL, config
+
+
+def summary(res) -> list:
+    return [(t.arrival, t.first_token, tuple(t.token_times), t.end, t.ok) for t in res.timings]
+
+
+def test_same_seed_same_result():
+    trace = traces.generate("sharegpt-like", seed=7, num_requests=60, rate=5.0)
+    a = simulate(trace, config(), CAL)
+    b = simulate(traces.generate("sharegpt-like", seed=7, num_requests=60, rate=5.0), config(), CAL)
+    assert summary(a) == summary(b) and a.duration_s == b.duration_s and a.tally.figures() == b.tally.figures()
+    c = simulate(traces.generate("sharegpt-like", seed=8, num_requests=60, rate=5.0), config(), CAL)
+    assert summary(c) != summary(a)
+
+
+def test_each_request_gets_its_tokens_one_per_step_and_time_is_the_step_costs():
+    trace = [TraceRequest(arrival_s=0.0, prompt_tokens=32, output_tokens=5)]
+    res = simulate(trace, config(policy="continuous", calibrate_step_cost=False), CAL)
+    t = res.timings[0]
+    assert t.ok and t.num_output_tokens == 5 and len(t.token_times) == 5
+    # first step: a 32-token prefill from position 0; then 4 decodes at context 32..35
+    prefill = CAL.forward_s(traces_shape(32, 0, False)) + CAL.overhead["fixed"] + CAL.overhead["sequence"]
+    assert t.ttft == pytest.approx(prefill)
+    for k, gap in enumerate(t.itls):
+        want = CAL.forward_s(traces_shape(1, 32 + k, True)) + CAL.overhead["fixed"] + CAL.overhead["sequence"]
+        assert gap == pytest.approx(want)
+    assert res.duration_s == pytest.approx(t.end)
+
+
+def traces_shape(n, ctx, decode):
+    from engine.step_cost import shape_of
+
+    return shape_of([(n, ctx, decode)])
+
+
+def test_kv_exhaustion_preempts_and_every_request_still_finishes():
+    trace = [TraceRequest(arrival_s=0.01 * i, prompt_tokens=200, output_tokens=300) for i in range(12)]
+    res = simulate(trace, config(policy="continuous", num_blocks=120, max_num_seqs=12), CAL)
+    assert all(t.ok and t.num_output_tokens == 300 for t in res.timings)
+    assert res.tally.figures()["preemptions"] > 0
+    roomy = simulate(trace, config(policy="continuous", num_blocks=2048, max_num_seqs=12), CAL)
+    assert roomy.tally.figures()["preemptions"] == 0
+    assert roomy.duration_s < res.duration_s  # recomputation costs time
+
+
+def test_refused_as_intake_refuses():
+    trace = [TraceRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=2000),  # more than the pool holds
+             TraceRequest(arrival_s=0.0, prompt_tokens=10, output_tokens=4)]
+    res = simulate(trace, config(num_blocks=64), CAL)
+    assert not res.timings[0].ok and "KV cache" in res.timings[0].error
+    assert res.timings[1].ok
+    full = [TraceRequest(arrival_s=0.0, prompt_tokens=10, output_tokens=4) for _ in range(6)]
+    res = simulate(full, config(max_waiting=4), CAL)
+    assert [t.ok for t in res.timings] == [True] * 4 + [False] * 2
+    assert "queue is full" in res.timings[-1].error
+
+
+def test_prefix_cache_hits_for_a_shared_group():
+    trace = [TraceRequest(arrival_s=1.0 * i, prompt_tokens=300, output_tokens=4, prefix_group="sys", prefix_tokens=256)
+             for i in range(4)]
+    res = simulate(trace, config(), CAL)
+    # the first computes the prefix; the other three find its 16 full blocks
+    assert res.tally.cached == 3 * 256
+
+
+def test_gated_requests_wait_for_tokens():
+    trace = traces.generate("spike-overlap", seed=0)
+    res = simulate(trace, config(), CAL)
+    streams = [t for t in res.timings if t.tag == "steady"]
+    long1, long2 = (next(t for t in res.timings if t.tag == f"long-{k}") for k in (1, 2))
+    # sent once the streams received a quarter of their tokens; the second 0.5 s later
+    quarter = sorted(x for t in streams for x in t.token_times)[len(streams) * 128 // 4 - 1]
+    assert long1.arrival == pytest.approx(quarter)
+    assert long2.arrival == pytest.approx(long1.arrival + 0.5)
+
+
+def test_round_robin_takes_turns():
+    trace = [TraceRequest(arrival_s=0.001 * i, prompt_tokens=16, output_tokens=8) for i in range(12)]
+    res = simulate(trace, config(), CAL, replicas=3, router="round-robin")
+    assert res.routed == [4, 4, 4]
+
+
+def test_least_loaded_avoids_the_busy_replica():
+    # one very long request first, then short ones one at a time: they never join it
+    trace = [TraceRequest(arrival_s=0.0, prompt_tokens=16, output_tokens=2000)]
+    trace += [TraceRequest(arrival_s=1.0 + i, prompt_tokens=16, output_tokens=4) for i in range(6)]
+    rr = simulate(trace, config(), CAL, replicas=2, router="round-robin")
+    ll = simulate(trace, config(), CAL, replicas=2, router="least-loaded")
+    assert rr.routed == [4, 3]
+    assert ll.routed == [1, 6]
+
+
+def test_prefix_affinity_keeps_a_group_together_until_the_load_gap_is_too_large():
+    groups = [TraceRequest(arrival_s=0.5 * i, prompt_tokens=600, output_tokens=8, prefix_group=i % 2,
+                           prefix_tokens=512) for i in range(16)]
+    aff = simulate(groups, config(), CAL, replicas=4, router="prefix-affinity")
+    rr = simulate(groups, config(), CAL, replicas=4, router="round-robin")
+    assert sum(1 for n in aff.routed if n) == 2  # one replica per group
+    assert aff.tally.cached == 14 * 512  # everyone after each group's first hits the prefix
+    assert rr.tally.cached < aff.tally.cached
+    # all at once, one group: past the thresholds (abs 64, rel 1.5 by default) it spills over
+    burst = [TraceRequest(arrival_s=0.0, prompt_tokens=600, output_tokens=8, prefix_group="g", prefix_tokens=512)
+             for _ in range(200)]
+    res = simulate(burst, config(balance_abs_threshold=8), CAL, replicas=4, router="prefix-affinity")
+    assert all(n > 0 for n in res.routed) and res.routed[0] == max(res.routed)
+    assert all(t.ok for t in res.timings)
+
+
+def test_replicas_are_independent_engines():
+    # the same trace twice over, two replicas round-robin = each replica sees one copy
+    one = [TraceRequest(arrival_s=0.1 * i, prompt_tokens=50 + i, output_tokens=20) for i in range(10)]
+    doubled = [r for r in one for _ in range(2)]
+    single = simulate(one, config(), CAL)
+    pair = simulate(doubled, config(), CAL, replicas=2, router="round-robin")
+    assert [t.ttft for t in pair.timings[::2]] == pytest.approx([t.ttft for t in single.timings])
+    assert [t.ttft for t in pair.timings[1::2]] == pytest.approx([t.ttft for t in single.timings])
+    assert pair.tally.num_steps == 2 * single.tally.num_steps
+    assert math.isclose(pair.duration_s, single.duration_s)
