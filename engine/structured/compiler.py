@@ -7,6 +7,7 @@ StructuredOutput into a fresh matcher before the request reaches the scheduler.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xgrammar as xgr
 
 from engine.errors import RequestError
+from engine.structured.schema_fix import bounded_strings_as_patterns
 from engine.structured.spec import StructuredOutput
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: ~tens of KiB to MiB)
@@ -80,7 +82,8 @@ class GrammarCache:
         try:
             # any_whitespace=False: JSON with single spaces after ',' and ':' only. A model may
             # otherwise spend its whole budget on whitespace (small models do), never closing.
-            return self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+            schema = json.dumps(bounded_strings_as_patterns(json.loads(spec.json_schema)))
+            return self._compiler.compile_json_schema(schema, any_whitespace=False)
         except RuntimeError as e:
             reason = _NATIVE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
             raise RequestError(f"{spec.param}: the JSON schema is not supported or invalid: {reason}",
