@@ -19,6 +19,7 @@ _WHERE = {
     "EngineSnapshot": "engine.messages", "FinishedRequest": "engine.messages", "RequestOutput": "engine.messages",
     "StepItem": "engine.messages", "StepRecord": "engine.messages",
     "SamplingParams": "engine.request",
+    "StructuredOutput": "engine.structured.spec",
 }
 __all__ = sorted(_WHERE)
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
     from engine.messages import EngineSnapshot, FinishedRequest, RequestOutput, StepItem, StepRecord
     from engine.request import SamplingParams
+    from engine.structured.spec import StructuredOutput
 
 
 __getattr__ = lazy_exports("engine", _WHERE, globals())

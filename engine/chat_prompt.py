@@ -1,13 +1,14 @@
 """A chat request's prompt: its messages checked, then rendered through the model's chat
 template. The engine's intake and the HTTP frontend (which measures a chat prompt to size
-its default max_tokens, then submits the token ids) both render it here."""
+its default max_tokens, then submits the token ids) both render it here. `tools` (OpenAI's
+tool definitions) go to the template, which shows them to the model in its own format."""
 
 from __future__ import annotations
 
 from engine.errors import RequestError
 
 
-def chat_prompt(tokenizer, messages: object) -> str:
+def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) -> str:
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
@@ -15,6 +16,6 @@ def chat_prompt(tokenizer, messages: object) -> str:
     if not messages:
         raise RequestError("messages must not be empty", "messages")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
         raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None

@@ -104,6 +104,7 @@ class Engine:
         self.intake = Intake(
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
+            shape.vocab_size,
         )
         if cfg.scheduler.calibrate_step_cost:
             await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks,

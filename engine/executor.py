@@ -20,6 +20,7 @@ from engine.kv_cache import KVCache
 from engine.messages import Execute, ExecutorMsg, Shutdown, StepPlan, StepResult
 from engine.model.llama import LlamaModel
 from engine.sampler import sample
+from engine.structured.mask import advance, constrain
 
 
 class Executor:
@@ -79,11 +80,15 @@ class Executor:
         if not sampling:
             return {}, forward_s
         chosen = [plan.items[i] for i in sampling]
+        logits = logits.cpu()
+        grammars = [c.grammar for c in chosen]
+        constrain(logits, grammars)  # structured-output rows: only what their grammar allows
         tokens = sample(
-            logits.cpu(),
+            logits,
             [c.temperature for c in chosen],
             [c.top_k for c in chosen],
             [c.top_p for c in chosen],
             [c.generator for c in chosen],
         )
+        advance(grammars, tokens)
         return {c.request_id: t for c, t in zip(chosen, tokens)}, forward_s

@@ -2,7 +2,8 @@
 
 Everything that can be refused is refused here, before a request touches the engine: bad
 sampling parameters, an empty or too long prompt, a prompt that could never fit the KV
-pool, a full waiting queue. Long prompts are tokenized on a worker thread.
+pool, a full waiting queue, a JSON schema the grammar compiler refuses. Long prompts are
+tokenized on a worker thread; grammars are compiled on another (engine/structured/compiler.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
 from engine.request import Request
+from engine.structured.compiler import GrammarCache
 
 LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
 
@@ -33,6 +35,7 @@ class Intake:
         num_waiting: Callable[[], int],
         seed: int = 0,
         eos_token_ids: frozenset[int] | None = None,  # default: the tokenizer's EOS
+        vocab_size: int | None = None,  # the model's logits width (default: the tokenizer's size)
     ):
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
@@ -44,6 +47,7 @@ class Intake:
         if eos_token_ids is None:
             eos_token_ids = frozenset() if tokenizer.eos_token_id is None else frozenset([tokenizer.eos_token_id])
         self.eos_token_ids = eos_token_ids
+        self.grammars = GrammarCache(tokenizer, vocab_size or self.vocab_size, eos_token_ids)
         self.inbox: asyncio.Queue[IntakeMsg] = asyncio.Queue()
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
@@ -67,6 +71,7 @@ class Intake:
                         return
         finally:
             self._thread.shutdown(wait=False)
+            self.grammars.close()
 
     async def _admit(self, msg: Submit) -> Request:
         msg.params.validate()
@@ -93,7 +98,11 @@ class Intake:
             )
         detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals), msg.outputs, seed)
+        grammar = None
+        if msg.params.structured_output is not None:
+            grammar = self.grammars.matcher(await self.grammars.get(msg.params.structured_output))
+        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals), msg.outputs, seed,
+                       grammar)
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

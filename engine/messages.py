@@ -114,6 +114,7 @@ class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     top_p: float = 1.0
     generator: Any = None  # the request's torch.Generator
+    grammar: Any = None  # the request's xgrammar GrammarMatcher (structured output), advanced by the executor
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):

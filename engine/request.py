@@ -10,6 +10,7 @@ import msgspec
 from engine.detokenizer import Detokenizer
 from engine.errors import RequestError
 from engine.output_buffer import OutputBuffer
+from engine.structured.spec import StructuredOutput
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +23,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     priority: int = 0
+    structured_output: StructuredOutput | None = None  # constrain the output to a JSON schema
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -42,6 +44,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise RequestError(f"priority must be an integer, got {self.priority!r}", "priority")
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
 
 class Status(enum.Enum):
@@ -64,6 +68,7 @@ class Request:
         arrival: int,
         outputs: OutputBuffer | None = None,
         seed: int | None = None,
+        grammar: object | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -84,6 +89,9 @@ class Request:
         self.outputs = outputs if outputs is not None else OutputBuffer()  # bounded: a slow reader gets coalesced deltas
         self.seed = seed if seed is not None else params.seed  # None: drawn from torch's RNG on first use
         self._generator = None
+        # xgrammar GrammarMatcher when params.structured_output is set (engine/structured: the
+        # executor masks and advances it during a step; the scheduler reads it between steps)
+        self.grammar = grammar
 
     @property
     def generator(self):
@@ -126,6 +134,8 @@ class Request:
             return "stop"
         if self.detokenizer.hit_stop:
             return "stop"
+        if self.grammar is not None and self.grammar.is_terminated():
+            return "stop"  # the output is complete (reached even with ignore_eos)
         if len(self.output_token_ids) >= self.params.max_tokens:
             return "length"
         return None

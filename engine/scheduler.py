@@ -296,6 +296,7 @@ class Scheduler:
                 request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
                 temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
+                grammar=req.grammar,
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)

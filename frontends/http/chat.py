@@ -11,18 +11,21 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
 from engine.chat_prompt import chat_prompt
 from engine.errors import RequestError
-from frontends.http.errors import from_engine
+from frontends.http.chat_tools import ForcedCalls, HermesCalls
+from frontends.http.errors import ApiError, from_engine
 from frontends.http.generate import Job, ensure_ready, generate
 from frontends.http.models import check_model
 from frontends.http.protocol import (
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatRequest, Delta, Usage, decode,
 )
 from frontends.http.state import STATE, ServerState
+from frontends.http.tool_choice import plan_tools
 
 
 @dataclass
@@ -53,12 +56,12 @@ class ChatRenderer:
         return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage)
 
 
-async def prompt_ids(state: ServerState, messages: list[dict]) -> list[int]:
+async def prompt_ids(state: ServerState, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The chat prompt's token ids, rendered and tokenized on a worker thread."""
     tokenizer = state.engine.tokenizer
 
     def tokenize() -> list[int]:
-        return tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False)
+        return tokenizer.encode(chat_prompt(tokenizer, messages, tools), add_special_tokens=False)
 
     try:
         return await asyncio.to_thread(tokenize)
@@ -78,11 +81,22 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = decode(await request.read(), ChatRequest)
     check_model(state, body.model)
     messages: list[dict] | None = [m.as_dict() for m in body.messages]
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt, max_tokens = None, body.explicit_max_tokens()
-    if max_tokens is None:
+    if max_tokens is None or tools.tools:
+        # tokenized once, here: it sizes max_tokens, or the template shows the model its tools
         ensure_ready(state)
-        prompt, messages = await prompt_ids(state, messages), None  # tokenized once, here: it sizes max_tokens
-        max_tokens = default_max_tokens(state, len(prompt))
+        prompt, messages = await prompt_ids(state, messages, tools.tools), None
+        max_tokens = default_max_tokens(state, len(prompt)) if max_tokens is None else max_tokens
     params = body.sampling_params(max_tokens)
+    if tools.structured_output is not None:
+        if params.structured_output is not None:
+            raise ApiError(400, "tool_choice forces a tool call; it cannot be combined with a JSON response_format",
+                           param="tool_choice")
+        params = msgspec.structs.replace(params, structured_output=tools.structured_output)
     render = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage)
+    if tools.mode == "forced":
+        render = ForcedCalls(render)
+    elif tools.mode == "auto":
+        render = HermesCalls(render)
     return await generate(request, state, Job(prompt, messages, params, body.stream, body.include_usage), render)

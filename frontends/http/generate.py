@@ -46,7 +46,7 @@ class Renderer(Protocol):
         """Chunks sent before the first delta (chat: the assistant role)."""
         ...
 
-    def delta(self, text: str, finish_reason: str | None) -> object: ...
+    def delta(self, text: str, finish_reason: str | None) -> object | list[object]: ...
 
     def usage_chunk(self, usage: Usage) -> object: ...
 
@@ -130,7 +130,9 @@ async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterato
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
             if out.text or out.finished:
-                await response.write(sse.frame(render.delta(out.text, out.finish_reason if out.finished else None)))
+                chunks = render.delta(out.text, out.finish_reason if out.finished else None)
+                for chunk in chunks if isinstance(chunks, list) else [chunks]:  # tool calls: none or several
+                    await response.write(sse.frame(chunk))
             if out.finished and include_usage:
                 await response.write(sse.frame(render.usage_chunk(usage_of(out))))
         if response is None:

@@ -14,14 +14,27 @@ from typing import TypeVar
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from engine import SamplingParams
-from frontends.http.errors import ApiError
+from engine import RequestError, SamplingParams, StructuredOutput
+from frontends.http.errors import ApiError, from_engine
+from frontends.http.tool_protocol import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 # --- requests -------------------------------------------------------------------------------
 
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str
+    schema: dict | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -40,6 +53,9 @@ class SamplingFields(Struct, kw_only=True):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured output
+    guided_json: dict | bool | str | None = None  # vLLM's (older) name for a JSON schema
+    structured_outputs: dict | None = None  # vLLM's {"json": schema}
 
     @property
     def include_usage(self) -> bool:
@@ -51,6 +67,10 @@ class SamplingFields(Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            structured_output = self.structured_output()
+        except RequestError as e:  # a schema that is not JSON, or not an object
+            raise from_engine(e) from None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -61,7 +81,37 @@ class SamplingFields(Struct, kw_only=True):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             priority=self.priority,
+            structured_output=structured_output,
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one JSON constraint the request asks for, if any (several at once: 400)."""
+        asked: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None:
+            if rf.type == "json_object":
+                asked.append(StructuredOutput.from_schema({"type": "object"}))
+            elif rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema is None:
+                    raise ApiError(400, "response_format json_schema needs json_schema.schema",
+                                   param="response_format.json_schema")
+                asked.append(StructuredOutput.from_schema(rf.json_schema.schema))
+            elif rf.type != "text":
+                raise ApiError(400, f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", "
+                                    f"got {rf.type!r}", param="response_format.type")
+        if self.guided_json is not None:
+            asked.append(StructuredOutput.from_schema(self.guided_json, "guided_json"))
+        if self.structured_outputs is not None:
+            unsupported = sorted(set(self.structured_outputs) - {"json"})
+            if unsupported:
+                raise ApiError(400, f"structured_outputs.{unsupported[0]} is not supported (only json)",
+                               param=f"structured_outputs.{unsupported[0]}")
+            if "json" in self.structured_outputs:
+                asked.append(StructuredOutput.from_schema(self.structured_outputs["json"], "structured_outputs"))
+        if len(asked) > 1:
+            raise ApiError(400, "give at most one of response_format (json), guided_json and structured_outputs",
+                           param=asked[1].param)
+        return asked[0] if asked else None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -91,6 +141,9 @@ class ChatMessage(Struct, kw_only=True):
 class ChatRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -149,6 +202,7 @@ class Completion(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):
@@ -167,9 +221,10 @@ class ChatChunk(Struct):
     usage: Usage | None | UnsetType = UNSET
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):

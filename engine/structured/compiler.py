@@ -1,0 +1,90 @@
+"""Compiled grammars, one per distinct schema: compiled on a worker thread (never on the event
+loop: a large schema over a 50k-token vocabulary takes tens of milliseconds or more), kept in
+an LRU keyed by the schema's canonical JSON. Owned by the intake actor, which turns a request's
+StructuredOutput into a fresh matcher before the request reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import xgrammar as xgr
+
+from engine.errors import RequestError
+from engine.structured.schema_fix import bounded_strings_as_patterns
+from engine.structured.spec import StructuredOutput
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: ~tens of KiB to MiB)
+_NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[10:42:33] /project/cpp/x.cc:5082: "
+
+
+class GrammarCache:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int], max_size: int = DEFAULT_CACHE_SIZE):
+        """vocab_size: the width of the model's logits, which may exceed len(tokenizer) (padded
+        embeddings): the extra ids are never allowed by a mask."""
+        self.tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_size = max_size
+        self.num_hits = 0
+        self.num_misses = 0
+        self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._pending: dict[str, asyncio.Future] = {}  # schemas being compiled now (one compile each)
+        self._compiler: xgr.GrammarCompiler | None = None  # built on first use (reads the whole vocabulary)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-grammar")
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    async def get(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec`; RequestError (naming spec.param) if it cannot compile."""
+        key = spec.cache_key
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self.num_hits += 1
+            self._compiled.move_to_end(key)
+            return compiled
+        pending = self._pending.get(key)
+        if pending is not None:  # the same schema is compiling for another request: share it
+            self.num_hits += 1
+            return await asyncio.shield(pending)
+        self.num_misses += 1
+        loop = asyncio.get_running_loop()
+        pending = self._pending[key] = loop.run_in_executor(self._thread, self._compile, spec)
+        try:
+            compiled = await asyncio.shield(pending)
+        finally:
+            self._pending.pop(key, None)
+        self._compiled[key] = compiled
+        while len(self._compiled) > self.max_size:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        """A fresh per-request matcher: its state is the request's position in the grammar."""
+        return xgr.GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
+
+    # --- worker thread ------------------------------------------------------------------
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            # our own LRU decides what is kept; xgrammar's cache would keep a second copy
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        try:
+            # any_whitespace=False: JSON with single spaces after ',' and ':' only. A model may
+            # otherwise spend its whole budget on whitespace (small models do), never closing.
+            schema = json.dumps(bounded_strings_as_patterns(json.loads(spec.json_schema)))
+            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+        except RuntimeError as e:
+            reason = _NATIVE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
+            raise RequestError(f"{spec.param}: the JSON schema is not supported or invalid: {reason}",
+                               spec.param) from None

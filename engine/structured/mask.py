@@ -1,0 +1,32 @@
+"""The grammar's hook into sampling: before `sample`, mask the constrained rows' logits to the
+tokens their grammar allows now; after it, feed each sampled token back into its matcher.
+
+Rows without a grammar are not touched, and a batch with none costs one list scan. The masks
+of all constrained rows go into one bitmask and one `apply_token_bitmask_inplace` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+
+def constrain(logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
+    """logits: [B, V], modified in place; matchers: [B], None for an unconstrained row."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [B, ceil(V / 32)] int32
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def advance(matchers: Sequence[xgr.GrammarMatcher | None], tokens: Sequence[int]) -> None:
+    """Accept each constrained row's sampled token. A token the mask allowed is always accepted;
+    a refusal means the mask and the matcher disagree, and fails the step loudly."""
+    for i, m in enumerate(matchers):
+        if m is not None and not m.is_terminated() and not m.accept_token(tokens[i]):
+            raise RuntimeError(f"grammar refused sampled token {tokens[i]} (row {i})")

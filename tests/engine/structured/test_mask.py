@@ -1,0 +1,138 @@
+"""The grammar mask in the step: constrained rows keep exactly the tokens their grammar allows
+now, unconstrained rows are untouched, and sampled tokens move each matcher on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import RequestError, StructuredOutput
+from engine.model.tiny import tiny_tokenizer
+from engine.structured.compiler import GrammarCache
+from engine.structured.mask import advance, constrain
+
+VOCAB = 300  # wider than the tokenizer's 259 ids, as padded model vocabularies are
+
+
+@pytest.fixture
+def cache() -> GrammarCache:
+    tok = tiny_tokenizer()
+    cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
+    yield cache
+    cache.close()
+
+
+def matcher(cache: GrammarCache, schema) -> object:
+    return cache.matcher(asyncio.run(cache.get(StructuredOutput.from_schema(schema))))
+
+
+def ids(text: str) -> list[int]:
+    return tiny_tokenizer().encode(text, add_special_tokens=False)
+
+
+def allowed(row: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(row)).flatten().tolist())
+
+
+def test_constrained_rows_keep_only_grammar_tokens_others_untouched(cache):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    boolean = matcher(cache, {"type": "boolean"})
+    enum = matcher(cache, {"enum": ["yes", "no"]})
+    constrain(logits, [boolean, None, enum])
+    assert allowed(logits[0]) == set(ids("t") + ids("f"))
+    assert allowed(logits[2]) == set(ids('"'))
+    assert torch.equal(logits[1], before[1])  # unconstrained: bit for bit
+    kept = torch.isfinite(logits[0])
+    assert torch.equal(logits[0][kept], before[0][kept])  # allowed logits are not changed either
+
+
+def test_advance_follows_the_grammar_to_the_end(cache):
+    tok = tiny_tokenizer()
+    m = matcher(cache, {"enum": ["yes", "no"]})
+    for t in ids('"no"'):
+        logits = torch.zeros(1, VOCAB)
+        constrain(logits, [m])
+        assert torch.isfinite(logits[0, t])
+        advance([m], [t])
+    logits = torch.zeros(1, VOCAB)
+    constrain(logits, [m])
+    assert allowed(logits[0]) == {tok.eos_token_id}  # complete: only the end of the output
+    advance([m], [tok.eos_token_id])
+    assert m.is_terminated()
+
+
+def test_advance_refuses_a_token_the_grammar_forbids(cache):
+    m = matcher(cache, {"type": "boolean"})
+    with pytest.raises(RuntimeError, match="refused"):
+        advance([m], ids("x"))
+
+
+def test_no_constrained_rows_is_a_no_op():
+    logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    constrain(logits, [None, None])
+    assert torch.equal(logits, before)
+
+
+def test_cache_compiles_each_schema_once_and_evicts_least_recent():
+    tok = tiny_tokenizer()
+    cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]), max_size=2)
+    a, b, c = (StructuredOutput.from_schema({"type": t}) for t in ("boolean", "integer", "string"))
+
+    async def run():
+        first = await asyncio.gather(*[cache.get(a) for _ in range(4)])  # concurrent: one compile
+        assert all(g is first[0] for g in first)
+        assert (cache.num_misses, cache.num_hits) == (1, 3)
+        await cache.get(b)
+        assert await cache.get(a) is first[0]  # a is now the most recent
+        await cache.get(c)  # evicts b
+        assert len(cache) == 2
+        misses = cache.num_misses
+        await cache.get(a)
+        assert cache.num_misses == misses
+        await cache.get(b)
+        assert cache.num_misses == misses + 1
+
+    asyncio.run(run())
+    cache.close()
+
+
+def test_key_order_is_kept_in_the_cache_key():
+    one = StructuredOutput.from_schema({"type": "object", "properties": {"a": {}, "b": {}}})
+    two = StructuredOutput.from_schema('{"properties": {"b": {}, "a": {}}, "type": "object"}')
+    assert one.cache_key != two.cache_key  # properties come out in schema order: different grammars
+
+
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "[a-"}])
+def test_uncompilable_schema_is_a_request_error_naming_the_field(cache, schema):
+    with pytest.raises(RequestError) as e:
+        asyncio.run(cache.get(StructuredOutput.from_schema(schema, "guided_json")))
+    assert e.value.param == "guided_json" and "guided_json" in str(e.value)
+
+
+@pytest.mark.parametrize("schema", ["{not json", "[1, 2]", 3])
+def test_schema_that_is_not_a_json_object_is_refused(schema):
+    with pytest.raises(RequestError) as e:
+        StructuredOutput.from_schema(schema)
+    assert e.value.param == "response_format"
+
+
+def test_length_bounded_strings_never_admit_control_characters(cache):
+    """xgrammar's own rule for maxLength strings admits raw U+0000..U+001F (invalid JSON);
+    compiled through schema_fix they are refused, and the bounds still hold."""
+    for schema in ({"type": "string", "maxLength": 3}, {"type": ["string", "null"], "minLength": 1, "maxLength": 3}):
+        m = matcher(cache, schema)
+        advance([m], ids('"'))
+        logits = torch.zeros(1, VOCAB)
+        constrain(logits, [m])
+        ok = allowed(logits[0])
+        assert not ok & set(ids("".join(chr(c) for c in range(32))))
+        assert set(ids("a")) <= ok
+        for t in ids("abc"):
+            advance([m], [t])
+        logits = torch.zeros(1, VOCAB)
+        constrain(logits, [m])
+        assert allowed(logits[0]) == set(ids('"'))  # maxLength reached: only the closing quote

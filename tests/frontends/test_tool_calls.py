@@ -1,0 +1,127 @@
+"""Reading tool calls from generated text: the forced format (whole and every prefix, as a
+stream sees it), the Hermes format of tool_choice "auto", and the renderers' streamed deltas
+adding up to the whole answer."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from frontends.http.chat import ChatRenderer
+from frontends.http.chat_tools import ForcedCalls, HermesCalls
+from frontends.http.protocol import Usage
+from frontends.http.tool_calls import held_back, parse_hermes, scan_calls, value_end
+
+ONE = '{"name": "get_weather", "arguments": {"city": "Par}is\\"", "days": [1, {"x": 2}]}}'
+MANY = '[{"name": "a", "arguments": {}}, {"name": "b\\"q", "arguments": {"n": -1.5e3}}]'
+
+
+def test_scan_one_call():
+    calls, complete = scan_calls(ONE)
+    assert complete and len(calls) == 1
+    assert calls[0].name == "get_weather" and calls[0].complete
+    assert json.loads(calls[0].arguments) == {"city": 'Par}is"', "days": [1, {"x": 2}]}
+
+
+def test_scan_array_of_calls():
+    calls, complete = scan_calls(MANY)
+    assert complete
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {}), ('b"q', {"n": -1500.0})]
+
+
+@pytest.mark.parametrize("text", [ONE, MANY])
+def test_every_prefix_reads_as_a_prefix_of_the_whole(text):
+    whole, _ = scan_calls(text)
+    for n in range(len(text)):
+        calls, complete = scan_calls(text[:n])
+        assert not complete
+        for part, full in zip(calls, whole):
+            assert part.name == full.name and full.arguments.startswith(part.arguments)
+        assert len(calls) <= len(whole)
+
+
+def test_value_end():
+    assert value_end('{"a": "}"}, 1', 0) == 10
+    assert value_end('12}', 0) == 2
+    assert value_end('"x\\""', 0) == 5
+    assert value_end('{"a": [1', 0) is None
+
+
+def test_parse_hermes():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert parse_hermes(two) == (None, [("a", "{}"), ("b", '{"x": 1}')])
+
+
+@pytest.mark.parametrize("text", [
+    "no calls here",
+    "<tool_call>{not json}</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}',  # never closed
+])
+def test_parse_hermes_answers_text_when_it_is_not_a_call(text):
+    assert parse_hermes(text) == (text, [])
+
+
+def test_held_back():
+    assert held_back("hello <tool") == 5
+    assert held_back("hello <") == 1
+    assert held_back("hello") == 0
+    assert held_back("a < b") == 0
+
+
+def base() -> ChatRenderer:
+    return ChatRenderer("chatcmpl-1", 0, "m", False)
+
+
+def streamed(render, pieces: list[str], finish_reason: str) -> tuple[str, list, str]:
+    """What a client assembles from the stream: content, calls (name, arguments), finish reason."""
+    chunks = [c for p in pieces[:-1] for c in render.delta(p, None)] + render.delta(pieces[-1], finish_reason)
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        choice = msgspec.to_builtins(chunk)["choices"][0]
+        content += choice["delta"].get("content", "")
+        for d in choice["delta"].get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"name": "", "arguments": "", "id": d.get("id")})
+            call["name"] += d.get("function", {}).get("name", "")
+            call["arguments"] += d.get("function", {}).get("arguments", "")
+        reason = choice["finish_reason"] or reason
+    return content, [(c["name"], c["arguments"]) for c in calls.values()], reason
+
+
+def whole(render, text: str, finish_reason: str) -> tuple[str | None, list, str]:
+    body = msgspec.to_builtins(render.whole(text, finish_reason, Usage(1, 1, 2)))["choices"][0]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in body["message"].get("tool_calls", [])]
+    return body["message"]["content"], calls, body["finish_reason"]
+
+
+@pytest.mark.parametrize("text", [ONE, MANY])
+def test_forced_stream_adds_up_to_the_whole(text):
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    content, calls, reason = streamed(ForcedCalls(base()), pieces, "stop")
+    assert content == "" and reason == "tool_calls"
+    assert calls == whole(ForcedCalls(base()), text, "stop")[1]
+    assert [n for n, _ in calls] == [c.name for c in scan_calls(text)[0]]
+
+
+def test_forced_cut_short_keeps_length():
+    assert whole(ForcedCalls(base()), ONE[:20], "length") == (ONE[:20], [], "length")
+    assert streamed(ForcedCalls(base()), [ONE[:20]], "length")[2] == "length"
+
+
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>',
+    "plain answer with a < sign and <tool but no call",
+])
+def test_hermes_stream_adds_up_to_the_whole(text):
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    content, calls, reason = streamed(HermesCalls(base()), pieces, "stop")
+    w_content, w_calls, w_reason = whole(HermesCalls(base()), text, "stop")
+    assert calls == w_calls and reason == w_reason
+    assert content.strip() == (w_content or "")
