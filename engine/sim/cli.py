@@ -108,6 +108,7 @@ def _base_config(args) -> EngineConfig:
         if key in SIM_KEYS:
             raise SystemExit(f"--set {key}: use --{key}")
         overrides[key] = _coerce(key, value)
+    overrides["replicas"] = getattr(args, "replicas", 0)  # run: the simulated cluster's, so its [cluster] keys apply
     try:
         return EngineConfig.load(args.config if Path(args.config).exists() else None, **overrides)
     except ValueError as e:

@@ -114,7 +114,7 @@ def test_prefix_affinity_keeps_a_group_together_until_the_load_gap_is_too_large(
     # all at once, one group: past the thresholds (abs 64, rel 1.5 by default) it spills over
     burst = [TraceRequest(arrival_s=0.0, prompt_tokens=600, output_tokens=8, prefix_group="g", prefix_tokens=512)
              for _ in range(200)]
-    res = simulate(burst, config(balance_abs_threshold=8), CAL, replicas=4, router="prefix-affinity")
+    res = simulate(burst, config(replicas=4, balance_abs_threshold=8), CAL, replicas=4, router="prefix-affinity")
     assert all(n > 0 for n in res.routed) and res.routed[0] == max(res.routed)
     assert all(t.ok for t in res.timings)
 
