@@ -18,6 +18,15 @@ from engine.request import Request, SamplingParams
 # --- public records (serialisable: the HTTP frontend streams them as JSON) ------------------
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token's log-probability under the model's raw distribution (before temperature,
+    penalties and bias), and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float | None  # None only for a prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] = []  # the k most likely (token id, logprob), most likely first
+
+
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     text: str  # new since the previous output
@@ -28,6 +37,8 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token, once, with the first output
 
 
 Kind = Literal["prefill", "decode", "padding"]
@@ -114,6 +125,24 @@ class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     top_p: float = 1.0
     generator: Any = None  # the request's torch.Generator
+    # Logits processing and logprobs (engine/logits_processors.py, engine/logprobs.py); set only
+    # on items that sample (prompt_targets: on prefill items), defaults cost the sampler nothing.
+    min_p: float = 0.0
+    penalties: Penalties | None = None
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias); -inf masks EOS/stop ids under min_tokens
+    logprobs: int = -1  # top-k alternatives wanted with the sampled token's logprob (-1: none)
+    prompt_logprobs: int = -1  # the same for the prompt targets below
+    prompt_targets: list[int] = []  # prompt ids at start_pos + 1 ..: the logits of this item's rows score them
+
+
+class Penalties(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's penalties and the tokens they count (copies taken when the plan is made)."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]  # empty unless repetition != 1 (only it looks at the prompt)
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +164,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float  # the whole step in the executor: batch building, forward, sampling
     forward_s: float = 0.0  # the model forward alone (0 when the step failed before it)
     error: str | None = None  # the step failed: every request in it ends with "error"
+    logprobs: dict[str, TokenLogprob] = {}  # request id -> its sampled token's, when asked for
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}  # request id -> (position of the first, entries)
 
 
 # --- inboxes --------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from engine.messages import (
     StepItem, StepPlan, StepRecord, StepResult,
 )
 from engine.output_processor import OutputProcessor, emit
+from engine.plan_sampling import sampling_fields
 from engine.plan_view import PlanView
 from engine.policies import Decision, Idle, Policy
 from engine.request import Request, Status
@@ -184,7 +185,9 @@ class Scheduler:
         return True
 
     def admit(self, req: Request, max_new_tokens: int, min_new_tokens: int) -> int:
-        n = self.ledger.admit(req.request_id, req.all_token_ids, self.policy.uses_prefix_cache,
+        # a request scoring its prompt must compute every prompt position: no prefix-cache hits
+        lookup = self.policy.uses_prefix_cache and req.params.prompt_logprobs is None
+        n = self.ledger.admit(req.request_id, req.all_token_ids, lookup,
                               min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens))
         if n:
             self.waiting.remove(req)
@@ -293,11 +296,10 @@ class Scheduler:
                 continue
             sample = start + d.num_tokens == req.num_tokens
             kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
-            p = req.params
             items.append(PlanItem(
                 request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
-                temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
+                **sampling_fields(req, start, d.num_tokens, sample),
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
@@ -326,7 +328,7 @@ class Scheduler:
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
         self.ledger.commit(commits)
-        stopped, ttft, itl = self.outputs.process(self.requests, result.sampled)
+        stopped, ttft, itl = self.outputs.process(self.requests, result)
         for req, reason, token in stopped:
             self.running.remove(req)
             self._finish(req, reason, new_tokens=[token])
