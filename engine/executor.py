@@ -68,6 +68,7 @@ class Executor:
             forward_s=out.forward_s, error=error, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
         )
 
+    @torch.inference_mode()  # the logits are inference tensors: processing updates them in place
     def run_plan(self, plan: StepPlan) -> StepOutcome:
         """The sampled token per request (and logprobs where asked), and the seconds the model forward took."""
         device = self.model.device

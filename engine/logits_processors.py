@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from engine.messages import Penalties
+from engine.sampler import SAMPLING_EPS
 
 
 class RowSampling(Protocol):
@@ -37,7 +38,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.T
     penalised = [i for i, r in enumerate(rows) if r.penalties is not None]
     if penalised:
         apply_penalties(logits, penalised, [rows[i].penalties for i in penalised])
-    with_min_p = [i for i, r in enumerate(rows) if r.min_p > 0.0]
+    with_min_p = [i for i, r in enumerate(rows) if r.min_p > 0.0 and r.temperature >= SAMPLING_EPS]
     if with_min_p:
         apply_min_p(logits, with_min_p, [rows[i].min_p for i in with_min_p], [rows[i].temperature for i in with_min_p])
     return logits
@@ -83,7 +84,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], penalties: Sequence[P
 def apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float], temperatures: list[float]) -> None:
     """Keep, per row, the tokens whose probability after temperature T is at least min_p times
     the most likely one's: p_i / p_max = exp((l_i - l_max) / T) >= min_p, i.e.
-    l_i >= l_max + T log(min_p) — no softmax needed. Greedy rows are left alone (argmax stays)."""
+    l_i >= l_max + T log(min_p) — no softmax needed. Greedy rows are not passed (argmax stays)."""
     idx = torch.tensor(rows)
     x = logits[idx]  # [P, V]
     t = torch.tensor(temperatures)[:, None]  # [P, 1]
