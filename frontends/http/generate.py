@@ -24,9 +24,10 @@ import msgspec
 from aiohttp import web
 
 from engine import EngineDeadError, QueueFullError, RequestError, RequestOutput, SamplingParams
+from engine.output_buffer import merge
 from frontends.http import sse
 from frontends.http.errors import ApiError, from_engine, shutting_down
-from frontends.http.protocol import Usage
+from frontends.http.protocol import PromptTokensDetails, Usage
 from frontends.http.state import ServerState
 
 
@@ -46,11 +47,16 @@ class Renderer(Protocol):
         """Chunks sent before the first delta (chat: the assistant role)."""
         ...
 
-    def delta(self, text: str, finish_reason: str | None) -> object: ...
+    def delta(self, out: RequestOutput) -> object | None:
+        """The chunk for one output (its text, logprobs, and finish reason when final); None:
+        nothing to send."""
+        ...
 
     def usage_chunk(self, usage: Usage) -> object: ...
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> object: ...
+    def whole(self, out: RequestOutput, usage: Usage) -> object:
+        """The response body; `out`: every output of the request merged into one."""
+        ...
 
 
 def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> None:
@@ -89,7 +95,8 @@ async def generate(request: web.Request, state: ServerState, job: Job, render: R
 
 
 def usage_of(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens)
+    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens,
+                 PromptTokensDetails(out.num_cached_tokens))
 
 
 def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
@@ -102,13 +109,13 @@ def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
 
 
 async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer) -> web.Response:
-    parts: list[str] = []
+    whole: RequestOutput | None = None
     async for out in outputs:
-        parts.append(out.text)
+        whole = out if whole is None else merge(whole, out)
         if out.finished:
             if out.finish_reason in ("abort", "error"):
                 raise ended_early(state, out)
-            body = render.whole("".join(parts), out.finish_reason, usage_of(out))
+            body = render.whole(whole, usage_of(out))
             return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": render.id})
     raise ApiError(500, "the engine ended the request without a final output", code="engine_error")
@@ -129,8 +136,9 @@ async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterato
             if failed:
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
-            if out.text or out.finished:
-                await response.write(sse.frame(render.delta(out.text, out.finish_reason if out.finished else None)))
+            chunk = render.delta(out)
+            if chunk is not None:
+                await response.write(sse.frame(chunk))
             if out.finished and include_usage:
                 await response.write(sse.frame(render.usage_chunk(usage_of(out))))
         if response is None:
