@@ -49,7 +49,8 @@ async def test_metric_families(tiny):
 async def test_counts_follow_requests(tiny_model):
     async with serving(tiny_model, tiny_config(policy="chunked")) as (engine, client):
         resp = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
-        assert (await resp.json())["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        assert (await resp.json())["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
         await until(client, "vllm:request_success_total", 1, finished_reason="length", model_name="tiny")
         text = await (await client.get("/metrics")).text()
     assert metric(text, "vllm:prompt_tokens_total") == 5
