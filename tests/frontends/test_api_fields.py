@@ -134,3 +134,12 @@ def test_content_parts_join_with_newlines_and_tool_history_is_kept():
     assert ChatMessage(role="tool", content="2", tool_call_id="c1").as_dict() == {
         "role": "tool", "content": "2", "tool_call_id": "c1"}
 
+
+
+async def test_usage_reports_prefix_cache_hits(tiny):
+    _, client = tiny
+    body = {"prompt": "a long enough prompt to fill two KV blocks of sixteen tokens each.", "max_tokens": 2}
+    first = (await (await client.post("/v1/completions", json=body)).json())["usage"]
+    second = (await (await client.post("/v1/completions", json=body)).json())["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 32
