@@ -50,7 +50,7 @@ def create_app(
         middlewares.append(api_key_middleware(server.api_key, protect_metrics=server.protect_metrics,
                                               protect_health=server.protect_health))
     app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
-    metrics = Metrics(engine, server.served_model_name)
+    metrics = Metrics(engine, engine.config.served_model_name)
     app[STATE] = ServerState(engine, metrics, StepFeed(engine, metrics), LiveRequests(), new_id, clock)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)

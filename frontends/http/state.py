@@ -33,7 +33,7 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.engine.config.server.served_model_name
+        return self.engine.config.served_model_name
 
 
 STATE = web.AppKey("state", ServerState)

@@ -143,3 +143,16 @@ async def test_usage_reports_prefix_cache_hits(tiny):
     second = (await (await client.post("/v1/completions", json=body)).json())["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["prompt_tokens_details"]["cached_tokens"] >= 32
+
+
+async def test_model_name_defaults_to_the_loaded_model_and_its_path_is_accepted(tiny_model):
+    from tests.frontends.conftest import serving, tiny_config
+
+    async with serving(tiny_model, tiny_config(served_model_name="")) as (engine, client):
+        models = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-random"]
+        for name in ("tiny-random", engine.config.model.model):
+            resp = await client.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1})
+            assert resp.status == 200
+        resp = await client.post("/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 1})
+        assert resp.status == 404
