@@ -57,6 +57,9 @@ class FinishedRequest(msgspec.Struct, frozen=True, array_like=True):
     e2e_s: float  # arrival to final output
     num_prompt_tokens: int
     num_generated_tokens: int
+    queue_s: float = 0.0  # arrival to first scheduled
+    prefill_s: float = 0.0  # first scheduled to first token
+    decode_s: float = 0.0  # first token to the end
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +83,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     finished: list[FinishedRequest] = []  # requests that left since the previous record
     error: str | None = None
     predicted_s: float | None = None  # the step-cost model's forward time for this step, before it ran
+    num_prompt_tokens: int = 0  # prompt tokens of the requests whose prefill completed this step (first token)
+    num_prefix_queries: int = 0  # tokens of this step's admissions looked up in the prefix cache (hits: num_cached_tokens)
 
     @property
     def is_idle(self) -> bool:
@@ -150,6 +155,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     items: list[PlanItem]
     token_budget: int
     num_cached_tokens: int = 0
+    num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's admissions
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
 
     @property

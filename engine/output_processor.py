@@ -17,6 +17,7 @@ from engine.request import Request, Status
 class OutputProcessor:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
+        self.num_prompt_tokens = 0  # prompt tokens of requests that got their first token, since taken
 
     def process(self, requests: dict[str, Request], result: StepResult) -> tuple[
             list[tuple[Request, str, int]], list[float], list[float]]:
@@ -39,6 +40,7 @@ class OutputProcessor:
                 req.pending_logprobs.append(result.logprobs[request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
+                self.num_prompt_tokens += req.num_prompt_tokens
                 ttft.append(now - req.arrival_time)
             else:
                 itl.append(now - req.last_token_time)

@@ -119,6 +119,7 @@ class Request:
         self.eos_token_ids = eos_token_ids or frozenset()  # any of them ends the request (unless ignore_eos)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_computed_tokens = 0
