@@ -131,8 +131,11 @@ def check_refused(body: bytes, endpoint: Endpoint) -> None:
         raw = getattr(fields, name)
         if raw is msgspec.UNSET or bytes(raw) == b"null":
             continue
-        value = msgspec.json.decode(raw)
-        if any(value == v and type(value) is type(v) for v in entry.neutral):
+        try:
+            value = msgspec.json.decode(raw)
+        except msgspec.DecodeError:  # e.g. a lone surrogate escape: not a neutral value either
+            value = None
+        if value is not None and any(value == v and type(value) is type(v) for v in entry.neutral):
             continue
         raise ApiError(400, f"{entry.reason}: this server does not implement the `{name}` field",
                        param=name, code="unsupported_field")

@@ -7,9 +7,10 @@ anything was written) cancels it; the cancellation lands in `engine.stream`, who
 aborts the request. A cancellation during `submit` aborts the request as soon as intake
 accepts it (`Engine.submit`).
 
-Headers go out with the first output (the first token). This keeps submit and the first
-iteration of `engine.stream` back to back with no await in between, so there is no moment
-where a request is accepted but nothing would clean it up.
+A stream's status line and SSE headers go out as soon as the engine accepted the request,
+before the first token (clients and proxies see the stream open during a long prefill); a
+failure after that is an SSE error event. Writing them is the one await between submit and
+the first iteration of `engine.stream`: a cancellation there aborts the request itself.
 """
 
 from __future__ import annotations
@@ -123,16 +124,16 @@ async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], re
 
 async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer,
                  include_usage: bool) -> web.StreamResponse:
-    response: web.StreamResponse | None = None
+    try:
+        response = await sse.open_stream(request, {"X-Request-Id": render.id})
+        for chunk in render.opening():
+            await response.write(sse.frame(chunk))
+    except BaseException:  # the client left (or a write failed) before `outputs` ever started
+        await state.engine.abort(render.id)
+        raise
     try:
         async for out in outputs:
             failed = out.finished and out.finish_reason in ("abort", "error")
-            if response is None:
-                if failed:
-                    raise ended_early(state, out)  # nothing sent yet: a plain HTTP error
-                response = await sse.open_stream(request, {"X-Request-Id": render.id})
-                for chunk in render.opening():
-                    await response.write(sse.frame(chunk))
             if failed:
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
@@ -141,10 +142,8 @@ async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterato
                 await response.write(sse.frame(chunk))
             if out.finished and include_usage:
                 await response.write(sse.frame(render.usage_chunk(usage_of(out))))
-        if response is None:
-            raise ApiError(500, "the engine ended the request without output", code="engine_error")
         await response.write(sse.DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left while we wrote: the stream's cleanup aborts
         pass
-    return response or web.Response(status=499)
+    return response
