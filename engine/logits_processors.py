@@ -33,7 +33,8 @@ def needs_processing(rows: Sequence[RowSampling]) -> bool:
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """logits: [B, V] float32, modified in place and returned; rows[i] describes logits[i]."""
+    """logits: [B, V] float32, modified in place (if contiguous) and returned; rows[i] describes logits[i]."""
+    logits = logits.contiguous()
     apply_logit_bias(logits, [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias])
     penalised = [i for i, r in enumerate(rows) if r.penalties is not None]
     if penalised:
@@ -53,32 +54,39 @@ def apply_logit_bias(logits: torch.Tensor, entries: list[tuple[int, int, float]]
                       accumulate=True)
 
 
-def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
-    """[P, V] float32: how often each token occurs in each list (one scatter-add for all)."""
-    counts = torch.zeros(len(token_lists), vocab_size)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
-    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
-    return counts
-
-
 def apply_penalties(logits: torch.Tensor, rows: list[int], penalties: Sequence[Penalties]) -> None:
-    """logits: [B, V]; rows: the P rows with penalties. Repetition (HF/vLLM: a logit of a token
+    """logits: [B, V]; rows: the rows with penalties. Repetition (HF/vLLM: a logit of a token
     seen in the prompt or the output is divided by r when positive, multiplied when negative),
-    then frequency and presence (OpenAI: minus f x count - p x [count > 0], output tokens only)."""
+    then frequency and presence (OpenAI: minus f x count - p x [count > 0], output tokens only).
+
+    Sparse: only the (row, token) pairs that occur are touched — keys row * V + token, made
+    unique with their counts by `torch.unique` — so the cost grows with the tokens the rows
+    hold, not with the vocabulary."""
     vocab = logits.shape[1]
-    idx = torch.tensor(rows)
-    x = logits[idx]  # [P, V]
-    out_counts = token_counts([p.output_token_ids for p in penalties], vocab)  # [P, V]
-    rep = torch.tensor([p.repetition for p in penalties])[:, None]  # [P, 1]
-    if bool((rep != 1.0).any()):
-        prompt_seen = token_counts([p.prompt_token_ids for p in penalties], vocab) > 0  # [P, V]
-        seen = prompt_seen | (out_counts > 0)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([p.frequency for p in penalties])[:, None]  # [P, 1]
-    pres = torch.tensor([p.presence for p in penalties])[:, None]  # [P, 1]
-    x = x - freq * out_counts - pres * (out_counts > 0).float()
-    logits[idx] = x
+    out_keys = _keys(rows, [p.output_token_ids for p in penalties], vocab)  # [N_out]
+    prompt_keys = _keys(rows, [p.prompt_token_ids for p in penalties], vocab)  # [N_prompt]
+    keys = torch.unique(torch.cat([out_keys, prompt_keys]))  # [K] sorted: every (row, token) seen
+    if not len(keys):
+        return
+    out_unique, out_counts = torch.unique(out_keys, return_counts=True)
+    counts = torch.zeros(len(keys))  # [K]: occurrences in the output
+    counts[torch.searchsorted(keys, out_unique)] = out_counts.float()
+    per_row = torch.zeros(logits.shape[0], 3)  # [B, 3]: repetition, frequency, presence
+    per_row[torch.tensor(rows)] = torch.tensor([[p.repetition, p.frequency, p.presence] for p in penalties])
+    rep, freq, pres = per_row[torch.div(keys, vocab, rounding_mode="floor")].unbind(-1)  # [K] each
+    flat = logits.view(-1)  # [B * V]
+    x = flat[keys]  # [K]
+    x = torch.where(x > 0, x / rep, x * rep)  # r = 1 leaves x exactly as it is
+    x = x - freq * counts - pres * (counts > 0).float()
+    flat[keys] = x
+
+
+def _keys(rows: list[int], token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[N] int64: row * vocab + token for every token of every list (repeats kept)."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+    return row_ids * vocab + ids
 
 
 def apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float], temperatures: list[float]) -> None:
