@@ -1,7 +1,8 @@
 """Logits processing before sampling: logit bias (and min_tokens' masks), penalties, min_p.
 
 Pure functions over the whole batch: per-row parameters become tensors, and each function
-touches only the rows that use it (gathered, processed together, scattered back). A batch in
+touches only what it changes: bias and penalties the (row, token) pairs concerned (one
+scatter each), min_p the rows that use it (gathered, processed together, scattered back). A batch in
 which no row asks for any of this skips the module entirely (`needs_processing`), so plain
 requests pay nothing. vLLM's order: bias and min_tokens masks, then penalties (repetition,
 then frequency and presence), then — in the sampler — temperature, min_p, top-k, top-p.
