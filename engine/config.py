@@ -23,6 +23,18 @@ ROUTERS = ("prefix", "round-robin", "least-loaded")
 WEIGHT_FORMATS = ("auto", "dequantized", "gguf")
 
 
+BUILTIN_MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-random": "tiny-random"}
+
+
+def model_display_name(spec: str) -> str:
+    """The name a model is served under by default: the built-in's, else the checkout
+    directory's or the .gguf file's (what the loader calls it too)."""
+    if spec in BUILTIN_MODEL_NAMES:
+        return BUILTIN_MODEL_NAMES[spec]
+    path = Path(spec).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = "smollm2-135m"
@@ -97,7 +109,7 @@ class ServerConfig:
     api_key: str = ""
     protect_metrics: bool = False  # with api_key: /metrics needs the key too
     protect_health: bool = False  # with api_key: /health needs the key too
-    served_model_name: str = "SmolLM2-135M-Instruct"
+    served_model_name: str = ""  # "": the loaded model's name (its directory's or file's, or the built-in's)
     max_body_bytes: int = 1 << 20
     shutdown_grace_ms: int = 5000  # on SIGINT/SIGTERM: how long in-flight generations may run on
 
@@ -149,6 +161,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the API: `[server] served_model_name`, else the loaded model's."""
+        return self.server.served_model_name or model_display_name(self.model.model)
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Names a request may give: the served name, and the model as configured (its path)."""
+        return frozenset({self.served_model_name, self.model.model})
 
     def __post_init__(self) -> None:
         for name in SECTIONS:

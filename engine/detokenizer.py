@@ -17,8 +17,10 @@ MAX_PENDING_TOKENS = 4  # tokens held for an incomplete character before it is g
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings count only from this many tokens on (as vLLM)
+        self.num_pushed = 0
         self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -34,6 +36,7 @@ class Detokenizer:
         if self.hit_stop:
             return
         self.ids.append(token_id)
+        self.num_pushed += 1
         self._advance(force=len(self.ids) - self.read_offset >= MAX_PENDING_TOKENS)
 
     def _advance(self, force: bool) -> None:
@@ -46,7 +49,7 @@ class Detokenizer:
         self._find_stop()
 
     def _find_stop(self) -> None:
-        if not self.stop:
+        if not self.stop or self.num_pushed < self.min_tokens:
             return
         longest = max(len(s) for s in self.stop)
         start = max(0, self.num_emitted - longest + 1)
@@ -57,7 +60,7 @@ class Detokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest tail of unreleased text that starts some stop string."""
-        if self.hit_stop or not self.stop:
+        if self.hit_stop or not self.stop or self.num_pushed < self.min_tokens:
             return 0
         tail = self.text[self.num_emitted :]
         for n in range(min(len(tail), max(len(s) for s in self.stop) - 1), 0, -1):

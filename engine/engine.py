@@ -62,7 +62,7 @@ class Engine:
         self.ready = False
         self.dead: str | None = None
         self.tokenizer = None
-        self.model_name = self.config.server.served_model_name
+        self.model_name = self.config.served_model_name
 
     # --- lifecycle ----------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ import torch
 
 from engine.batch import flatten_batch
 from engine.kv_cache import KVCache
-from engine.messages import Execute, ExecutorMsg, Shutdown, StepPlan, StepResult
+from engine.logits_processors import needs_processing, process_logits
+from engine.logprobs import token_logprobs
+from engine.messages import Execute, ExecutorMsg, PlanItem, Shutdown, StepOutcome, StepPlan, StepResult, TokenLogprob
 from engine.model.llama import LlamaModel
 from engine.sampler import sample
 from engine.structured.mask import advance, constrain
@@ -57,30 +59,42 @@ class Executor:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(plan)
-            sampled, forward_s = self.run_plan(plan)
+            out = self.run_plan(plan)
             error = None
         except Exception as e:  # one bad step fails its requests, not the engine
-            sampled, forward_s, error = {}, 0.0, f"{type(e).__name__}: {e}"
+            out, error = StepOutcome({}, 0.0), f"{type(e).__name__}: {e}"
         return StepResult(
-            step=plan.step, sampled=sampled, start_time=start_wall, duration_s=time.perf_counter() - start,
-            forward_s=forward_s, error=error,
+            step=plan.step, sampled=out.sampled, start_time=start_wall, duration_s=time.perf_counter() - start,
+            forward_s=out.forward_s, error=error, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
         )
 
-    def run_plan(self, plan: StepPlan) -> tuple[dict[str, int], float]:
-        """The sampled token per request, and the seconds the model forward took."""
+    @torch.inference_mode()  # the logits are inference tensors: processing updates them in place
+    def run_plan(self, plan: StepPlan) -> StepOutcome:
+        """The sampled token per request (and logprobs where asked), and the seconds the model forward took."""
         device = self.model.device
         batch = flatten_batch(plan.items, self.block_size, device)
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
-        rows = torch.tensor([batch.logits_rows[i] for i in sampling], dtype=torch.long, device=device)
+        scored = [i for i, item in enumerate(plan.items) if item.prompt_targets]
+        rows = [batch.logits_rows[i] for i in sampling]
+        for i in scored:  # prompt logprobs: the rows of the item's first len(targets) tokens
+            item = plan.items[i]
+            first = batch.logits_rows[i] - (len(item.token_ids) - item.num_padding - 1)
+            rows += range(first, first + len(item.prompt_targets))
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
         forward_start = time.perf_counter()
-        logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, rows)  # [S, V]
+        logits = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, rows_t)  # [R, V]
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so forward_s is the forward, not its launch
         forward_s = time.perf_counter() - forward_start
+        prompt_logprobs = _prompt_logprobs([plan.items[i] for i in scored], logits[len(sampling):])
         if not sampling:
-            return {}, forward_s
+            return StepOutcome({}, forward_s, prompt_logprobs=prompt_logprobs)
         chosen = [plan.items[i] for i in sampling]
-        logits = logits.cpu()
+        logits = logits[: len(sampling)].cpu()  # [S, V]
+        want_logprobs = [j for j, c in enumerate(chosen) if c.logprobs >= 0]
+        raw = logits[want_logprobs].clone() if want_logprobs else None  # [L, V]: before processing
+        if needs_processing(chosen):
+            logits = process_logits(logits, chosen)
         grammars = [c.grammar for c in chosen]
         constrain(logits, grammars)  # structured-output rows: only what their grammar allows
         tokens = sample(
@@ -91,4 +105,23 @@ class Executor:
             [c.generator for c in chosen],
         )
         advance(grammars, tokens)
-        return {c.request_id: t for c, t in zip(chosen, tokens)}, forward_s
+        logprobs = {}
+        if raw is not None:
+            entries = token_logprobs(raw, [tokens[j] for j in want_logprobs], [chosen[j].logprobs for j in want_logprobs])
+            logprobs = {chosen[j].request_id: e for j, e in zip(want_logprobs, entries)}
+        return StepOutcome({c.request_id: t for c, t in zip(chosen, tokens)}, forward_s, logprobs, prompt_logprobs)
+
+
+def _prompt_logprobs(items: list[PlanItem], logits: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:
+    """logits: [sum of len(targets), V], the items' scoring rows in order."""
+    if not items:
+        return {}
+    targets = [t for item in items for t in item.prompt_targets]
+    ks = [item.prompt_logprobs for item in items for _ in item.prompt_targets]
+    entries = token_logprobs(logits, targets, ks)
+    out, at = {}, 0
+    for item in items:
+        n = len(item.prompt_targets)
+        out[item.request_id] = (item.start_pos + 1, entries[at : at + n])
+        at += n
+    return out

@@ -96,7 +96,9 @@ class Intake:
                 f"completion) but the whole pool holds {self.kv_capacity_tokens}; it could never run",
                 "max_tokens",
             )
-        detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
+        if any(t >= self.vocab_size for t in msg.params.logit_bias):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
+        detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens)
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
         grammar = None
         if msg.params.structured_output is not None:

@@ -8,7 +8,7 @@ process, so they are plain Python references inside the Struct.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -16,6 +16,15 @@ from engine.output_buffer import OutputBuffer
 from engine.request import Request, SamplingParams
 
 # --- public records (serialisable: the HTTP frontend streams them as JSON) ------------------
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token's log-probability under the model's raw distribution (before temperature,
+    penalties and bias), and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float | None  # None only for a prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] = []  # the k most likely (token id, logprob), most likely first
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +37,8 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (params.logprobs set)
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token, once, with the first output
 
 
 Kind = Literal["prefill", "decode", "padding"]
@@ -46,6 +57,9 @@ class FinishedRequest(msgspec.Struct, frozen=True, array_like=True):
     e2e_s: float  # arrival to final output
     num_prompt_tokens: int
     num_generated_tokens: int
+    queue_s: float = 0.0  # arrival to first scheduled
+    prefill_s: float = 0.0  # first scheduled to first token
+    decode_s: float = 0.0  # first token to the end
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,6 +83,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     finished: list[FinishedRequest] = []  # requests that left since the previous record
     error: str | None = None
     predicted_s: float | None = None  # the step-cost model's forward time for this step, before it ran
+    num_prompt_tokens: int = 0  # prompt tokens of the requests whose prefill completed this step (first token)
+    num_prefix_queries: int = 0  # tokens of this step's admissions looked up in the prefix cache (hits: num_cached_tokens)
 
     @property
     def is_idle(self) -> bool:
@@ -115,6 +131,24 @@ class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     generator: Any = None  # the request's torch.Generator
     grammar: Any = None  # the request's xgrammar GrammarMatcher (structured output), advanced by the executor
+    # Logits processing and logprobs (engine/logits_processors.py, engine/logprobs.py); set only
+    # on items that sample (prompt_targets: on prefill items), defaults cost the sampler nothing.
+    min_p: float = 0.0
+    penalties: Penalties | None = None
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias); -inf masks EOS/stop ids under min_tokens
+    logprobs: int = -1  # top-k alternatives wanted with the sampled token's logprob (-1: none)
+    prompt_logprobs: int = -1  # the same for the prompt targets below
+    prompt_targets: list[int] = []  # prompt ids at start_pos + 1 ..: the logits of this item's rows score them
+
+
+class Penalties(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's penalties and the tokens they count (copies taken when the plan is made)."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]  # empty unless repetition != 1 (only it looks at the prompt)
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +156,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     items: list[PlanItem]
     token_budget: int
     num_cached_tokens: int = 0
+    num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's admissions
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
 
     @property
@@ -136,6 +171,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float  # the whole step in the executor: batch building, forward, sampling
     forward_s: float = 0.0  # the model forward alone (0 when the step failed before it)
     error: str | None = None  # the step failed: every request in it ends with "error"
+    logprobs: dict[str, TokenLogprob] = {}  # request id -> its sampled token's, when asked for
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}  # request id -> (position of the first, entries)
 
 
 # --- inboxes --------------------------------------------------------------------------------
@@ -174,3 +211,12 @@ class Execute(msgspec.Struct, tag=True):
 
 
 ExecutorMsg = Execute | Shutdown
+
+
+class StepOutcome(NamedTuple):
+    """What the executor's forward and sampling of one plan gave (before the StepResult wraps it)."""
+
+    sampled: dict[str, int]
+    forward_s: float
+    logprobs: dict[str, TokenLogprob] = {}
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}  # request -> (first position, entries)

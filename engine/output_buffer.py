@@ -42,7 +42,9 @@ MAX_PENDING_OUTPUTS = 16
 
 def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One output carrying both deltas; everything else (including the end) from `newer`."""
-    return msgspec.structs.replace(newer, text=older.text + newer.text, token_ids=older.token_ids + newer.token_ids)
+    logprobs = newer.logprobs if older.logprobs is None else older.logprobs + (newer.logprobs or [])
+    return msgspec.structs.replace(newer, text=older.text + newer.text, token_ids=older.token_ids + newer.token_ids,
+                                   logprobs=logprobs, prompt_logprobs=older.prompt_logprobs or newer.prompt_logprobs)
 
 
 class OutputBuffer:

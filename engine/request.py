@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 
 import msgspec
@@ -24,6 +25,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     priority: int = 0
     structured_output: StructuredOutput | None = None  # constrain the output to a JSON schema
+    # Logits processing (engine/logits_processors.py), all neutral by default:
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: prompt + generated tokens' logits divided (>0) or multiplied (<0) by it
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    # Logprobs of the raw model distribution (before temperature, penalties, bias):
+    logprobs: int | None = None  # per generated token: its logprob and the top-k (0 = just its own)
+    prompt_logprobs: int | None = None  # per prompt token (the first has none); disables prefix-cache hits
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -46,6 +61,37 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError(f"priority must be an integer, got {self.priority!r}", "priority")
         if self.structured_output is not None:
             self.structured_output.validate()
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {value!r}", name)
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise RequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}",
+                               "repetition_penalty")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+                                   "logit_bias")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens:
+            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                               "min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
+
+
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class Status(enum.Enum):
@@ -78,6 +124,7 @@ class Request:
         self.eos_token_ids = eos_token_ids or frozenset()  # any of them ends the request (unless ignore_eos)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_computed_tokens = 0
@@ -92,6 +139,11 @@ class Request:
         # xgrammar GrammarMatcher when params.structured_output is set (engine/structured: the
         # executor masks and advances it during a step; the scheduler reads it between steps)
         self.grammar = grammar
+        # logprobs (when params ask): the prompt's, positions 1.. as prefill scores them; the
+        # generated tokens' not yet emitted; whether the prompt's went out (with the first output)
+        self.prompt_logprobs: list = []  # [TokenLogprob]
+        self.pending_logprobs: list = []  # [TokenLogprob]
+        self.prompt_logprobs_sent = False
 
     @property
     def generator(self):
@@ -118,6 +170,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids that end the request when sampled (masked while under min_tokens)."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+    @property
     def sort_key(self) -> tuple[int, int]:
         return (self.params.priority, self.arrival)
 
@@ -128,6 +186,8 @@ class Request:
     def stop_reason(self) -> str | None:
         """After appending a token: why the request should stop, if it should."""
         last = self.output_token_ids[-1]
+        if len(self.output_token_ids) < self.params.min_tokens:
+            return None  # its stop ids were masked; stop strings wait too (as vLLM)
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if last in self.params.stop_token_ids:

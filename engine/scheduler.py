@@ -24,6 +24,7 @@ from engine.messages import (
     StepItem, StepPlan, StepRecord, StepResult,
 )
 from engine.output_processor import OutputProcessor, emit
+from engine.plan_sampling import sampling_fields
 from engine.plan_view import PlanView
 from engine.policies import Decision, Idle, Policy
 from engine.request import Request, Status
@@ -67,6 +68,7 @@ class Scheduler:
         self.dead: str | None = None
         self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
         self._cached_this_step = 0  # prefix-cache hits of the step being planned
+        self._queried_this_step = 0  # tokens looked up in the prefix cache for it
         self._finished: list[FinishedRequest] = []  # left since the last StepRecord
 
     # --- the loop ---------------------------------------------------------------------
@@ -182,9 +184,13 @@ class Scheduler:
         return True
 
     def admit(self, req: Request, max_new_tokens: int, min_new_tokens: int) -> int:
-        n = self.ledger.admit(req.request_id, req.all_token_ids, self.policy.uses_prefix_cache,
+        # a request scoring its prompt must compute every prompt position: no prefix-cache hits
+        lookup = self.policy.uses_prefix_cache and req.params.prompt_logprobs is None
+        n = self.ledger.admit(req.request_id, req.all_token_ids, lookup,
                               min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens))
         if n:
+            if req.scheduled_time is None:
+                req.scheduled_time = self.clock()
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -195,9 +201,14 @@ class Scheduler:
         self.ledger.free(req.request_id)
         self.requests.pop(req.request_id, None)
         emit(req, new_tokens or [], final=True)
+        now = self.clock()
+        scheduled, first = req.scheduled_time, req.first_token_time
         self._finished.append(FinishedRequest(
-            req.request_id, req.finish_reason or "abort", self.clock() - req.arrival_time,
+            req.request_id, req.finish_reason or "abort", now - req.arrival_time,
             req.num_prompt_tokens, len(req.output_token_ids),
+            queue_s=(scheduled if scheduled is not None else now) - req.arrival_time,
+            prefill_s=first - scheduled if first is not None and scheduled is not None else 0.0,
+            decode_s=now - first if first is not None else 0.0,
         ))
 
     # --- state changes ----------------------------------------------------------------
@@ -270,6 +281,8 @@ class Scheduler:
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = got.num_cached_tokens
                 self._cached_this_step += got.num_cached_tokens
+                if self.policy.uses_prefix_cache and req.params.prompt_logprobs is None:
+                    self._queried_this_step += req.num_tokens
             if d.num_tokens and req.status is not Status.RUNNING:
                 continue  # preempted just now
             kept.append(d)
@@ -291,15 +304,15 @@ class Scheduler:
                 continue
             sample = start + d.num_tokens == req.num_tokens
             kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
-            p = req.params
             items.append(PlanItem(
                 request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
-                temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
-                grammar=req.grammar,
+                **sampling_fields(req, start, d.num_tokens, sample),
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
-        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
+        queried, self._queried_this_step = self._queried_this_step, 0
+        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
+                        num_prefix_queries=queried)
         if self.cost.is_fitted:
             plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(plan_shape(plan)))
         return plan
@@ -325,7 +338,7 @@ class Scheduler:
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
         self.ledger.commit(commits)
-        stopped, ttft, itl = self.outputs.process(self.requests, result.sampled)
+        stopped, ttft, itl = self.outputs.process(self.requests, result)
         for req, reason, token in stopped:
             self.running.remove(req)
             self._finish(req, reason, new_tokens=[token])
@@ -368,7 +381,9 @@ class Scheduler:
             num_cached_tokens=plan.num_cached_tokens, num_waiting=len(self.waiting), num_running=len(self.running),
             kv_usage=self.ledger.usage, num_preemptions=self.num_preemptions, ttft_s=latencies[0],
             itl_s=latencies[1], finished=self._finished, error=result.error, predicted_s=plan.predicted_s,
+            num_prompt_tokens=self.outputs.num_prompt_tokens, num_prefix_queries=plan.num_prefix_queries,
         ))
+        self.outputs.num_prompt_tokens = 0
         self._finished = []
 
     @property

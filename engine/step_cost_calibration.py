@@ -47,6 +47,6 @@ def calibrate(executor, model: StepCostModel, num_blocks: int, max_len: int, rou
     executor.run_plan(plans[0])  # warm-up: first-call costs (kernel loads) are not a step's
     for _ in range(rounds):
         for plan in plans:
-            _, forward_s = executor.run_plan(plan)
+            forward_s = executor.run_plan(plan).forward_s
             model.observe(plan_shape(plan), forward_s)
     model.fit()

@@ -88,7 +88,7 @@ async def serve(config: EngineConfig, access_log: bool = False) -> int:
         print(f"[stepwise] failed to start the engine: {loading.exception()!r}", file=sys.stderr)
         code = 1
     elif loading.done():
-        print(f"[stepwise] ready: {config.server.served_model_name}, policy {config.scheduler.policy}", file=sys.stderr)
+        print(f"[stepwise] ready: {config.served_model_name}, policy {config.scheduler.policy}", file=sys.stderr)
         await stopping
     else:
         loading.cancel()

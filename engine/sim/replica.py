@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager, BlockManagerClient, Stop
 from engine.bench.stats import RequestTiming
 from engine.config import EngineConfig
 from engine.kv_ledger import KVLedger
-from engine.messages import RequestOutput, Shutdown, StepPlan, StepRecord, StepResult
+from engine.messages import RequestOutput, Shutdown, StepOutcome, StepPlan, StepRecord, StepResult
 from engine.policies import make_policy
 from engine.request import Request
 from engine.scheduler import Scheduler, plan_shape
@@ -36,10 +36,10 @@ class SimExecutor:
         self.calibration = calibration
         self.block_size = block_size  # step_cost_calibration sizes its plans by it
 
-    def run_plan(self, plan: StepPlan) -> tuple[dict[str, int], float]:
+    def run_plan(self, plan: StepPlan) -> StepOutcome:
         """What Executor.run_plan returns: the sampled tokens and the forward seconds."""
         forward = self.calibration.forward_s(plan_shape(plan))
-        return {it.request_id: SAMPLED_TOKEN for it in plan.items if it.sample}, forward
+        return StepOutcome({it.request_id: SAMPLED_TOKEN for it in plan.items if it.sample}, forward)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         shape = plan_shape(plan)

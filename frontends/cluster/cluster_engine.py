@@ -53,7 +53,7 @@ class ClusterEngine:
         self._streaming = {name: handle.options(stream=True) for name, handle in handles.items()}
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.model_name = config.server.served_model_name
+        self.model_name = config.served_model_name
         self.router = Router(list(handles), cluster.router, abs_threshold=cluster.balance_abs_threshold,
                              rel_threshold=cluster.balance_rel_threshold,
                              max_prefix_entries=cluster.max_prefix_entries)

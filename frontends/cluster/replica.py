@@ -41,7 +41,7 @@ class EngineReplica:
         self.name = name
         self.config = EngineConfig.from_dict(config)
         self.engine = await Engine(self.config).start()
-        self.metrics = Metrics(self.engine, self.config.server.served_model_name)
+        self.metrics = Metrics(self.engine, self.config.served_model_name)
         self.feed = StepFeed(self.engine, self.metrics)
         self._feed_task = asyncio.create_task(self.feed.run(), name="stepwise-replica-step-feed")
 

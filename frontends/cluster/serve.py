@@ -53,7 +53,7 @@ async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[[], asyn
     if not stop.is_set():
         await frontend.start(engine)
         print(f"[stepwise] listening on {frontend.url} ({len(replicas.handles)} replicas of "
-              f"{config.server.served_model_name}, router {config.cluster.router})", file=sys.stderr)
+              f"{config.served_model_name}, router {config.cluster.router})", file=sys.stderr)
         await stopping
     await frontend.stop()
     await engine.stop()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from aiohttp import web
 
 from engine import Engine
-from frontends.http import chat, completions, models, observe
+from frontends.http import chat, completions, models, observe, tokenize
 from frontends.http.auth import api_key_middleware
 from frontends.http.errors import body_limit_middleware, error_middleware
 from frontends.http.feed import StepFeed
@@ -50,10 +50,13 @@ def create_app(
         middlewares.append(api_key_middleware(server.api_key, protect_metrics=server.protect_metrics,
                                               protect_health=server.protect_health))
     app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
-    metrics = Metrics(engine, server.served_model_name)
+    metrics = Metrics(engine, engine.config.served_model_name)
     app[STATE] = ServerState(engine, metrics, StepFeed(engine, metrics), LiveRequests(), new_id, clock)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
+    app.router.add_get("/version", tokenize.version)
     gets = {"/v1/models": models.list_models, "/v1/engine/state": observe.engine_state,
             "/v1/engine/steps": observe.engine_steps, "/health": observe.health, "/metrics": observe.metrics}
     unknown = set(views or ()) - set(gets)

@@ -15,17 +15,22 @@ import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
+from engine import RequestOutput
 from engine.chat_prompt import chat_prompt
 from engine.errors import RequestError
 from frontends.http.chat_tools import ForcedCalls, HermesCalls
 from frontends.http.errors import ApiError, from_engine
+from frontends.http.fields import check_refused
 from frontends.http.generate import Job, ensure_ready, generate
+from frontends.http.logprobs import chat_logprobs
 from frontends.http.models import check_model
 from frontends.http.protocol import (
-    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatRequest, Delta, Usage, decode,
+    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatLogprobs, ChatRequest, Delta, Usage,
+    decode,
 )
 from frontends.http.state import STATE, ServerState
 from frontends.http.tool_choice import plan_tools
+from frontends.http.token_text import TokenText
 
 
 @dataclass
@@ -34,6 +39,7 @@ class ChatRenderer:
     created: int
     model: str
     include_usage: bool
+    tokens: TokenText | None = None  # set when logprobs are asked for
 
     def _chunk(self, choices: list[ChatChunkChoice], usage) -> ChatChunk:
         return ChatChunk(self.id, "chat.completion.chunk", self.created, self.model, choices, usage)
@@ -41,18 +47,24 @@ class ChatRenderer:
     def _no_usage(self):
         return None if self.include_usage else UNSET
 
+    def _logprobs(self, out: RequestOutput) -> ChatLogprobs | None:
+        return None if self.tokens is None else chat_logprobs(out.logprobs or [], self.tokens)
+
     def opening(self) -> list[object]:
         return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""))], self._no_usage())]
 
-    def delta(self, text: str, finish_reason: str | None) -> ChatChunk:
-        delta = Delta(content=text) if text else Delta()
-        return self._chunk([ChatChunkChoice(0, delta, None, finish_reason)], self._no_usage())
+    def delta(self, out: RequestOutput) -> ChatChunk | None:
+        if not (out.text or out.finished or out.logprobs):
+            return None
+        delta = Delta(content=out.text) if out.text else Delta()
+        choice = ChatChunkChoice(0, delta, self._logprobs(out), out.finish_reason if out.finished else None)
+        return self._chunk([choice], self._no_usage())
 
     def usage_chunk(self, usage: Usage) -> ChatChunk:
         return self._chunk([], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletion:
-        choice = ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)
+    def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
+        choice = ChatChoice(0, AssistantMessage("assistant", out.text), self._logprobs(out), out.finish_reason)
         return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage)
 
 
@@ -78,8 +90,11 @@ def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), ChatRequest)
+    raw = await request.read()
+    body = decode(raw, ChatRequest)
+    check_refused(raw, "chat")
     check_model(state, body.model)
+    logprobs = body.resolved_logprobs()
     messages: list[dict] | None = [m.as_dict() for m in body.messages]
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt, max_tokens = None, body.explicit_max_tokens()
@@ -88,13 +103,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ensure_ready(state)
         prompt, messages = await prompt_ids(state, messages, tools.tools), None
         max_tokens = default_max_tokens(state, len(prompt)) if max_tokens is None else max_tokens
-    params = body.sampling_params(max_tokens)
+    params = body.sampling_params(max_tokens, logprobs=logprobs)
     if tools.structured_output is not None:
         if params.structured_output is not None:
             raise ApiError(400, "tool_choice forces a tool call; it cannot be combined with a JSON response_format",
                            param="tool_choice")
         params = msgspec.structs.replace(params, structured_output=tools.structured_output)
-    render = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage)
+    if tools.mode in ("forced", "auto") and logprobs is not None:
+        raise ApiError(400, "logprobs are not supported together with tools (tool_choice other than 'none')",
+                       param="logprobs")
+    render = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage,
+                          state.token_text if logprobs is not None else None)
     if tools.mode == "forced":
         render = ForcedCalls(render)
     elif tools.mode == "auto":

@@ -20,6 +20,7 @@ from frontends.http.tool_calls import HERMES_OPEN, held_back, new_call_id, parse
 from frontends.http.tool_protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
+    from engine import RequestOutput
     from frontends.http.chat import ChatRenderer  # the plain renderer these wrap
 
 
@@ -46,8 +47,9 @@ class ForcedCalls:
     def opening(self) -> list[object]:
         return [_chunk(self.base, Delta(role="assistant"))]
 
-    def delta(self, text: str, finish_reason: str | None) -> list[ChatChunk]:
-        self.text += text
+    def delta(self, out: RequestOutput) -> list[ChatChunk]:
+        self.text += out.text
+        finish_reason = out.finish_reason if out.finished else None
         calls, complete = scan_calls(self.text)
         chunks = []
         for i, call in enumerate(calls):
@@ -67,7 +69,8 @@ class ForcedCalls:
     def usage_chunk(self, usage: Usage) -> ChatChunk:
         return self.base.usage_chunk(usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletion:
+    def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
+        text, finish_reason = out.text, out.finish_reason
         calls, complete = scan_calls(text)
         if not complete:
             return _whole(self.base, AssistantMessage("assistant", text), finish_reason, usage)
@@ -87,8 +90,9 @@ class HermesCalls:
     def opening(self) -> list[object]:
         return self.base.opening()
 
-    def delta(self, text: str, finish_reason: str | None) -> list[ChatChunk]:
-        self.pending += text
+    def delta(self, out: RequestOutput) -> list[ChatChunk]:
+        self.pending += out.text
+        finish_reason = out.finish_reason if out.finished else None
         chunks = []
         if finish_reason is None:
             if HERMES_OPEN in self.pending:
@@ -112,10 +116,10 @@ class HermesCalls:
     def usage_chunk(self, usage: Usage) -> ChatChunk:
         return self.base.usage_chunk(usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletion:
-        content, calls = parse_hermes(text)
+    def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
+        content, calls = parse_hermes(out.text)
         if not calls:
-            return self.base.whole(text, finish_reason, usage)
+            return self.base.whole(out, usage)
         tool_calls = [ToolCall(new_call_id(), "function", FunctionCall(name, arguments)) for name, arguments in calls]
         return _whole(self.base, AssistantMessage("assistant", content, tool_calls), "tool_calls", usage)
 

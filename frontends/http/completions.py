@@ -1,4 +1,4 @@
-"""POST /v1/completions: `text_completion` objects, whole or streamed."""
+"""POST /v1/completions: `text_completion` objects, whole or streamed; `echo` and `logprobs`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ from dataclasses import dataclass
 from aiohttp import web
 from msgspec import UNSET
 
-from frontends.http.generate import Job, generate
+from engine import RequestOutput
+from frontends.http.errors import ApiError
+from frontends.http.fields import check_refused
+from frontends.http.generate import Job, ensure_ready, generate
+from frontends.http.logprobs import completion_logprobs
 from frontends.http.models import check_model
 from frontends.http.protocol import Completion, CompletionChoice, CompletionRequest, Usage, decode
 from frontends.http.state import STATE
+from frontends.http.token_text import TokenText
 
 
 @dataclass
@@ -19,27 +24,70 @@ class CompletionRenderer:
     created: int
     model: str
     include_usage: bool
+    tokens: TokenText | None = None  # for logprobs
+    echo: str | None = None  # the prompt text, returned before the completion
+    echo_only: bool = False  # max_tokens 0 with echo: the one token the engine generated is dropped
+    _sent: int = 0  # characters of the choice's text sent so far (text_offset continues from here)
+    _echoed: bool = False
 
     def _object(self, choices: list[CompletionChoice], usage) -> Completion:
         return Completion(self.id, "text_completion", self.created, self.model, choices, usage)
 
+    def _choice(self, out: RequestOutput, finish_reason: str | None) -> CompletionChoice:
+        text = "" if self.echo_only else out.text
+        entries = [] if self.echo_only else (out.logprobs or [])
+        if self.echo is not None and not self._echoed:
+            self._echoed = True
+            text = self.echo + text
+            entries = (out.prompt_logprobs or []) + entries
+        logprobs = None if self.tokens is None else completion_logprobs(entries, self.tokens, self._sent)
+        self._sent += len(text)
+        if self.echo_only and finish_reason is not None:
+            finish_reason = "length"
+        return CompletionChoice(0, text, logprobs, finish_reason)
+
     def opening(self) -> list[object]:
         return []
 
-    def delta(self, text: str, finish_reason: str | None) -> Completion:
-        return self._object([CompletionChoice(0, text, None, finish_reason)], None if self.include_usage else UNSET)
+    def delta(self, out: RequestOutput) -> Completion | None:
+        finish_reason = out.finish_reason if out.finished else None
+        choice = self._choice(out, finish_reason)
+        if not choice.text and finish_reason is None and not (choice.logprobs and choice.logprobs.tokens):
+            return None
+        return self._object([choice], None if self.include_usage else UNSET)
+
+    def usage(self, usage: Usage) -> Usage:
+        if not self.echo_only:
+            return usage
+        return Usage(usage.prompt_tokens, 0, usage.prompt_tokens, usage.prompt_tokens_details)
 
     def usage_chunk(self, usage: Usage) -> Completion:
-        return self._object([], usage)
+        return self._object([], self.usage(usage))
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> Completion:
-        return self._object([CompletionChoice(0, text, None, finish_reason)], usage)
+    def whole(self, out: RequestOutput, usage: Usage) -> Completion:
+        return self._object([self._choice(out, out.finish_reason)], self.usage(usage))
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = decode(await request.read(), CompletionRequest)
+    raw = await request.read()
+    body = decode(raw, CompletionRequest)
+    check_refused(raw, "completions")
     check_model(state, body.model)
-    params = body.sampling_params(body.resolved_max_tokens())
-    render = CompletionRenderer(state.new_id("cmpl"), state.clock(), state.model_name, body.include_usage)
-    return await generate(request, state, Job(body.prompt, None, params, body.stream, body.include_usage), render)
+    prompts = body.prompts()
+    if len(prompts) != 1:
+        raise ApiError(400, "a list of several prompts is not supported yet", param="prompt")
+    prompt = prompts[0]
+    max_tokens = body.resolved_max_tokens()
+    echo_only = body.echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1  # the engine generates at least one token: it is dropped (as vLLM does)
+    params = body.sampling_params(max_tokens, logprobs=body.logprobs,
+                                  prompt_logprobs=body.logprobs if body.echo else None)
+    echo = None
+    if body.echo:
+        ensure_ready(state, params)  # the tokenizer is there
+        echo = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
+    render = CompletionRenderer(state.new_id("cmpl"), state.clock(), state.model_name, body.include_usage,
+                                state.token_text if body.logprobs is not None else None, echo, echo_only)
+    return await generate(request, state, Job(prompt, None, params, body.stream, body.include_usage), render)

@@ -7,9 +7,10 @@ anything was written) cancels it; the cancellation lands in `engine.stream`, who
 aborts the request. A cancellation during `submit` aborts the request as soon as intake
 accepts it (`Engine.submit`).
 
-Headers go out with the first output (the first token). This keeps submit and the first
-iteration of `engine.stream` back to back with no await in between, so there is no moment
-where a request is accepted but nothing would clean it up.
+A stream's status line and SSE headers go out as soon as the engine accepted the request,
+before the first token (clients and proxies see the stream open during a long prefill); a
+failure after that is an SSE error event. Writing them is the one await between submit and
+the first iteration of `engine.stream`: a cancellation there aborts the request itself.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import msgspec
 from aiohttp import web
 
 from engine import EngineDeadError, QueueFullError, RequestError, RequestOutput, SamplingParams
+from engine.output_buffer import merge
 from frontends.http import sse
 from frontends.http.errors import ApiError, from_engine, shutting_down
-from frontends.http.protocol import Usage
+from frontends.http.protocol import PromptTokensDetails, Usage
 from frontends.http.state import ServerState
 
 
@@ -46,11 +48,16 @@ class Renderer(Protocol):
         """Chunks sent before the first delta (chat: the assistant role)."""
         ...
 
-    def delta(self, text: str, finish_reason: str | None) -> object | list[object]: ...
+    def delta(self, out: RequestOutput) -> object | list[object] | None:
+        """The chunk(s) for one output (its text, logprobs, and finish reason when final); None
+        or []: nothing to send (tool-call renderers may send several chunks, or hold text back)."""
+        ...
 
     def usage_chunk(self, usage: Usage) -> object: ...
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> object: ...
+    def whole(self, out: RequestOutput, usage: Usage) -> object:
+        """The response body; `out`: every output of the request merged into one."""
+        ...
 
 
 def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> None:
@@ -89,7 +96,8 @@ async def generate(request: web.Request, state: ServerState, job: Job, render: R
 
 
 def usage_of(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens)
+    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens,
+                 PromptTokensDetails(out.num_cached_tokens))
 
 
 def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
@@ -102,13 +110,13 @@ def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
 
 
 async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer) -> web.Response:
-    parts: list[str] = []
+    whole: RequestOutput | None = None
     async for out in outputs:
-        parts.append(out.text)
+        whole = out if whole is None else merge(whole, out)
         if out.finished:
             if out.finish_reason in ("abort", "error"):
                 raise ended_early(state, out)
-            body = render.whole("".join(parts), out.finish_reason, usage_of(out))
+            body = render.whole(whole, usage_of(out))
             return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": render.id})
     raise ApiError(500, "the engine ended the request without a final output", code="engine_error")
@@ -116,29 +124,26 @@ async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], re
 
 async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer,
                  include_usage: bool) -> web.StreamResponse:
-    response: web.StreamResponse | None = None
+    try:
+        response = await sse.open_stream(request, {"X-Request-Id": render.id})
+        for chunk in render.opening():
+            await response.write(sse.frame(chunk))
+    except BaseException:  # the client left (or a write failed) before `outputs` ever started
+        await state.engine.abort(render.id)
+        raise
     try:
         async for out in outputs:
             failed = out.finished and out.finish_reason in ("abort", "error")
-            if response is None:
-                if failed:
-                    raise ended_early(state, out)  # nothing sent yet: a plain HTTP error
-                response = await sse.open_stream(request, {"X-Request-Id": render.id})
-                for chunk in render.opening():
-                    await response.write(sse.frame(chunk))
             if failed:
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
-            if out.text or out.finished:
-                chunks = render.delta(out.text, out.finish_reason if out.finished else None)
-                for chunk in chunks if isinstance(chunks, list) else [chunks]:  # tool calls: none or several
-                    await response.write(sse.frame(chunk))
+            chunks = render.delta(out)
+            for chunk in chunks if isinstance(chunks, list) else [] if chunks is None else [chunks]:
+                await response.write(sse.frame(chunk))
             if out.finished and include_usage:
                 await response.write(sse.frame(render.usage_chunk(usage_of(out))))
-        if response is None:
-            raise ApiError(500, "the engine ended the request without output", code="engine_error")
         await response.write(sse.DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left while we wrote: the stream's cleanup aborts
         pass
-    return response or web.Response(status=499)
+    return response

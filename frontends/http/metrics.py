@@ -55,7 +55,21 @@ class Metrics:
         self.model_name = model_name
         self.registry = r = CollectorRegistry(auto_describe=True)
         m = ["model_name"]
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens, counted when prefilled.", m, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m,
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", m,
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished request.", m, buckets=TOKEN_BUCKETS,
+                                                   registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.", m,
+                                      buckets=E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to the end.", m,
+                                     buckets=E2E_BUCKETS, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        m + ["finished_reason"], registry=r)
@@ -81,8 +95,12 @@ class Metrics:
         name, policy = self.model_name, rec.policy
         for f in rec.finished:
             self.request_success.labels(name, f.finish_reason).inc()
-            self.prompt_tokens.labels(name).inc(f.num_prompt_tokens)
             self.e2e.labels(name).observe(f.e2e_s)
+            self.request_prompt_tokens.labels(name).observe(f.num_prompt_tokens)
+            self.request_generation_tokens.labels(name).observe(f.num_generated_tokens)
+            self.queue_time.labels(name).observe(f.queue_s)
+            self.prefill_time.labels(name).observe(f.prefill_s)
+            self.decode_time.labels(name).observe(f.decode_s)
         if rec.is_idle:
             return
         self.steps.labels(policy).inc()
@@ -92,6 +110,9 @@ class Metrics:
             self.step_tokens.labels(policy, kind).inc(n)
         if rec.error is not None:
             self.step_errors.labels(policy).inc()
+        self.prompt_tokens.labels(name).inc(rec.num_prompt_tokens)
+        self.prefix_queries.labels(name).inc(rec.num_prefix_queries)
+        self.prefix_hits.labels(name).inc(rec.num_cached_tokens)
         self.iteration_tokens.labels(name).observe(rec.num_prefill_tokens + rec.num_decode_tokens)
         self.generation_tokens.labels(name).inc(len(rec.ttft_s) + len(rec.itl_s))  # one per sampled token
         for t in rec.ttft_s:

@@ -11,7 +11,7 @@ from frontends.http.state import STATE, ServerState
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model not in state.engine.config.model_names:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 

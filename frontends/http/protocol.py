@@ -2,7 +2,8 @@
 
 Requests are decoded straight into typed Structs: a wrong type fails with the JSON path of
 the field (`Expected `int`, got `str` - at `$.max_tokens``), which becomes the error's
-`param`. Unknown fields are ignored, as the OpenAI API does for fields it does not use.
+`param`. Fields of OpenAI's or vLLM's API that are not implemented are refused
+(frontends/http/fields.py); fields in neither API are ignored, as the OpenAI API does.
 Range checks stay with the engine (`SamplingParams.validate`), so there is one rule set.
 """
 
@@ -38,19 +39,25 @@ class ResponseFormat(Struct, kw_only=True):
 
 
 class SamplingFields(Struct, kw_only=True):
-    """Fields both endpoints share."""
+    """Fields both endpoints share (frontends/http/fields.py lists them, and the refused ones)."""
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = 0
-    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+    min_tokens: int | None = None
+    user: str | None = None  # an end-user id for the caller's own records; no effect here
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # OpenAI's structured output
@@ -61,9 +68,8 @@ class SamplingFields(Struct, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise ApiError(400, f"only n=1 is supported, got {self.n}", param="n")
+    def sampling_params(self, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -76,12 +82,20 @@ class SamplingFields(Struct, kw_only=True):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             priority=self.priority,
             structured_output=structured_output,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_token_bias(self.logit_bias),
+            min_tokens=0 if self.min_tokens is None else self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def structured_output(self) -> StructuredOutput | None:
@@ -114,11 +128,36 @@ class SamplingFields(Struct, kw_only=True):
         return asked[0] if asked else None
 
 
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
+
+
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int]
+    # a string, a list of token ids, or a batch: a list of strings or of token-id lists
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: int | None = None
 
     def resolved_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice."""
+        p = self.prompt
+        if isinstance(p, str) or not p:
+            return [p]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [p]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return list(p)
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either (not mixed)",
+                       param="prompt")
 
 
 class ContentPart(Struct, kw_only=True):
@@ -129,13 +168,39 @@ class ContentPart(Struct, kw_only=True):
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, kept for the template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict:
         if isinstance(self.content, list):
             if any(p.type != "text" for p in self.content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
-            return {"role": self.role, "content": "".join(p.text for p in self.content)}
-        return {"role": self.role, "content": self.content or ""}
+            content = "\n".join(p.text for p in self.content)  # as vLLM joins text parts
+        else:
+            content = self.content or ""
+        out: dict = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return out
+
+
+def _template_call(call: dict) -> dict:
+    """OpenAI sends a call's arguments as a JSON string; chat templates read them as a mapping
+    (transformers' convention; vLLM converts the same way). Unparseable ones stay a string."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = msgspec.json.decode(function["arguments"])
+        except msgspec.DecodeError:
+            return call
+        if isinstance(arguments, dict):
+            return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatRequest(SamplingFields, kw_only=True):
@@ -144,9 +209,16 @@ class ChatRequest(SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def resolved_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 T = TypeVar("T")
@@ -175,16 +247,30 @@ def decode(body: bytes, kind: type[T]) -> T:
 # --- responses ------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(Struct):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -205,10 +291,27 @@ class Delta(Struct, omit_defaults=True):
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprob] | None
+
+
 class ChatChunkChoice(Struct):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -230,7 +333,7 @@ class AssistantMessage(Struct, omit_defaults=True):
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

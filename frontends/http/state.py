@@ -11,6 +11,7 @@ from engine import Engine
 from frontends.http.feed import StepFeed
 from frontends.http.metrics import Metrics
 from frontends.http.streams import LiveRequests
+from frontends.http.token_text import TokenText
 
 
 @dataclass
@@ -21,10 +22,18 @@ class ServerState:
     live: LiveRequests
     new_id: Callable[[str], str]  # prefix ("cmpl", "chatcmpl") -> unique response / engine request id
     clock: Callable[[], int]  # unix seconds for `created`
+    _token_text: TokenText | None = None
+
+    @property
+    def token_text(self) -> TokenText:
+        """Token ids' text and bytes for logprobs (the tokenizer exists once the engine started)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.engine.tokenizer)
+        return self._token_text
 
     @property
     def model_name(self) -> str:
-        return self.engine.config.server.served_model_name
+        return self.engine.config.served_model_name
 
 
 STATE = web.AppKey("state", ServerState)

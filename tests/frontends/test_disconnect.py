@@ -61,9 +61,16 @@ async def test_disconnects_abort_at_once(tiny_model):
 
         quitters = set(await asyncio.gather(*[quit_after_first_chunk(client, i) for i in range(20)]))
 
-        # Long prompts: the response has no headers until the first token, so closing now
-        # (cancelling the client request) is a disconnect during prefill.
-        long_posts = {LONG + i: asyncio.create_task(client.post(COMPLETIONS, json={
+        # Long prompts: the headers come at once, the first body bytes with the first token; so
+        # closing before those (cancelling the reader closes the response) is a disconnect during prefill.
+        async def until_first_token(body: dict) -> None:
+            resp = await client.post(COMPLETIONS, json=body)
+            try:
+                await resp.content.readany()
+            finally:
+                resp.close()
+
+        long_posts = {LONG + i: asyncio.create_task(until_first_token({
             "prompt": chr(ord("A") + i) * (LONG + i), "max_tokens": 5, "stream": True})) for i in range(5)}
         while long_posts:
             for r in engine.snapshot().running:

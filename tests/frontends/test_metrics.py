@@ -21,6 +21,13 @@ EXPECTED = {
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:iteration_tokens_total": "histogram",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
     "stepwise:steps": "counter",
     "stepwise:step_tokens": "counter",
 }
@@ -49,7 +56,8 @@ async def test_metric_families(tiny):
 async def test_counts_follow_requests(tiny_model):
     async with serving(tiny_model, tiny_config(policy="chunked")) as (engine, client):
         resp = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
-        assert (await resp.json())["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        assert (await resp.json())["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
         await until(client, "vllm:request_success_total", 1, finished_reason="length", model_name="tiny")
         text = await (await client.get("/metrics")).text()
     assert metric(text, "vllm:prompt_tokens_total") == 5
@@ -74,3 +82,37 @@ async def test_two_servers_in_one_process(tiny_model):
         await until(a, "vllm:generation_tokens_total", 4)
         await until(b, "vllm:generation_tokens_total", 3)
         assert await get_metric(b, "stepwise:steps_total", policy="continuous") == 3
+
+
+async def test_prompt_tokens_count_at_prefill_and_request_histograms(tiny_model):
+    prompt = "a prompt of two blocks: thirty-two tokens or more, here."
+    async with serving(tiny_model, tiny_config()) as (engine, client):
+        n = len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+        records = []
+
+        async def watch():
+            async for r in engine.steps():
+                records.append(r)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True})
+        assert resp.status == 200
+        await until(client, "vllm:prompt_tokens_total", n)
+        watcher.cancel()
+        # the step that prefilled it counted its prompt, long before the step it finished in
+        counted = [i for i, r in enumerate(records) if r.num_prompt_tokens]
+        ended = [i for i, r in enumerate(records) if r.finished]
+        assert [records[i].num_prompt_tokens for i in counted] == [n] and counted[0] < ended[0]
+        assert not records[counted[0]].finished
+        resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert resp.status == 200
+        await until(client, "vllm:request_prompt_tokens_count", 2)
+        text = await (await client.get("/metrics")).text()
+    assert metric(text, "vllm:prompt_tokens_total") == 2 * n
+    assert metric(text, "vllm:prefix_cache_queries_total") == 2 * n
+    assert metric(text, "vllm:prefix_cache_hits_total") == 16 * (n // 16) - (16 if n % 16 == 0 else 0)
+    assert metric(text, "vllm:request_prompt_tokens_sum") == 2 * n
+    assert metric(text, "vllm:request_generation_tokens_sum") == 202
+    for name in ("queue", "prefill", "decode"):
+        assert metric(text, f"vllm:request_{name}_time_seconds_count") == 2

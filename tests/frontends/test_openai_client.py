@@ -66,7 +66,10 @@ async def test_chat(server):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and streamed
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage  # the same but for cached_tokens: the second request hits the prefix cache
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens_details.cached_tokens
     text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert whole.usage.prompt_tokens == len(engine.tokenizer.encode(text, add_special_tokens=False))
     assert whole.usage.completion_tokens == await generated_tokens(engine, messages=messages)

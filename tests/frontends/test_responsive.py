@@ -30,7 +30,6 @@ async def test_health_answers_while_a_long_prefill_step_runs(tiny_model):
             for _ in range(3):  # the step is still in progress: every answer came from the loop meanwhile
                 resp = await client.get("/health")
                 assert resp.status == 200 and (await resp.json()) == {"status": "ok"}
-            assert not post.done()  # headers arrive with the first token, i.e. when the step ends
         finally:
             release.set()
         resp = await post

@@ -44,7 +44,7 @@ async def test_completion_stream_exact_bytes(tiny_model):
         f'"finish_reason":{js(o.finish_reason)}}}],"usage":null}}\n\n'
         for o in ref if o.text or o.finished
     )
-    expected += f'data: {head},"choices":[],"usage":{{"prompt_tokens":5,"completion_tokens":6,"total_tokens":11}}}}\n\n'
+    expected += f'data: {head},"choices":[],"usage":{{"prompt_tokens":5,"completion_tokens":6,"total_tokens":11,"prompt_tokens_details":{{"cached_tokens":0}}}}}}\n\n'
     expected += "data: [DONE]\n\n"
     assert ref[-1].finish_reason == "length" and sum(len(o.token_ids) for o in ref) == 6
     assert body.decode() == expected
@@ -79,7 +79,7 @@ async def test_non_streamed_objects(tiny_model):
         assert await resp.read() == (
             '{"id":"cmpl-0","object":"text_completion","created":1700000000,"model":"tiny","choices":[{"index":0,'
             f'"text":{js(text)},"logprobs":null,"finish_reason":"length"}}],'
-            '"usage":{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5}}'
+            '"usage":{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}}'
         ).encode()
         resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                 "max_tokens": 2, "temperature": 0})

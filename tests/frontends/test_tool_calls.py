@@ -9,6 +9,7 @@ import json
 import msgspec
 import pytest
 
+from engine import RequestOutput
 from frontends.http.chat import ChatRenderer
 from frontends.http.chat_tools import ForcedCalls, HermesCalls
 from frontends.http.protocol import Usage
@@ -76,13 +77,18 @@ def test_held_back():
     assert held_back("a < b") == 0
 
 
+def out(text: str, finish_reason: str | None) -> RequestOutput:
+    return RequestOutput(request_id="r", text=text, token_ids=[], finished=finish_reason is not None,
+                         finish_reason=finish_reason)
+
+
 def base() -> ChatRenderer:
     return ChatRenderer("chatcmpl-1", 0, "m", False)
 
 
 def streamed(render, pieces: list[str], finish_reason: str) -> tuple[str, list, str]:
     """What a client assembles from the stream: content, calls (name, arguments), finish reason."""
-    chunks = [c for p in pieces[:-1] for c in render.delta(p, None)] + render.delta(pieces[-1], finish_reason)
+    chunks = [c for p in pieces[:-1] for c in render.delta(out(p, None))] + render.delta(out(pieces[-1], finish_reason))
     content, calls, reason = "", {}, None
     for chunk in chunks:
         choice = msgspec.to_builtins(chunk)["choices"][0]
@@ -96,7 +102,7 @@ def streamed(render, pieces: list[str], finish_reason: str) -> tuple[str, list, 
 
 
 def whole(render, text: str, finish_reason: str) -> tuple[str | None, list, str]:
-    body = msgspec.to_builtins(render.whole(text, finish_reason, Usage(1, 1, 2)))["choices"][0]
+    body = msgspec.to_builtins(render.whole(out(text, finish_reason), Usage(1, 1, 2)))["choices"][0]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in body["message"].get("tool_calls", [])]
     return body["message"]["content"], calls, body["finish_reason"]
 

@@ -1,0 +1,39 @@
+"""What a request's plan item carries for sampling and logprobs, derived from its parameters
+and progress when the scheduler makes the step's plan."""
+
+from __future__ import annotations
+
+from engine.messages import Penalties
+from engine.request import Request
+
+
+def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> dict:
+    """PlanItem keyword arguments for `num_tokens` of `req` from position `start`. Neutral
+    parameters add nothing (the item keeps its defaults, and the sampler its fast path)."""
+    p = req.params
+    fields: dict = {}
+    if p.prompt_logprobs is not None and not req.prompt_logprobs_sent and start + 1 < req.num_prompt_tokens:
+        # this step's logits at positions start .. start + n - 1 score the prompt tokens after them
+        fields["prompt_logprobs"] = p.prompt_logprobs
+        fields["prompt_targets"] = req.prompt_token_ids[start + 1 : min(start + num_tokens + 1, req.num_prompt_tokens)]
+    if not sample:
+        return fields
+    fields.update(temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator)
+    if req.grammar is not None:
+        fields["grammar"] = req.grammar  # structured output: masked and advanced by the executor
+    if p.min_p > 0.0:
+        fields["min_p"] = float(p.min_p)
+    if p.has_penalties:
+        fields["penalties"] = Penalties(
+            presence=float(p.presence_penalty), frequency=float(p.frequency_penalty),
+            repetition=float(p.repetition_penalty), output_token_ids=list(req.output_token_ids),
+            prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+        )
+    bias = [(t, float(b)) for t, b in p.logit_bias.items()]
+    if len(req.output_token_ids) < p.min_tokens:
+        bias += [(t, float("-inf")) for t in req.stop_ids]
+    if bias:
+        fields["logit_bias"] = bias
+    if p.logprobs is not None:
+        fields["logprobs"] = p.logprobs
+    return fields

@@ -1,0 +1,37 @@
+"""Engine logprobs (token ids) in the API's two shapes: completions' parallel lists with text
+offsets, and chat's `content` entries with bytes. Logprobs are of the model's raw distribution
+(before temperature, penalties and bias), as vLLM's default."""
+
+from __future__ import annotations
+
+from engine.messages import TokenLogprob
+from frontends.http.protocol import ChatLogprob, ChatLogprobs, CompletionLogprobs, TopLogprob
+from frontends.http.token_text import TokenText
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokens: TokenText, offset: int) -> CompletionLogprobs:
+    """`offset`: where the first token's text starts in the choice's text (streamed: the text
+    sent before). top_logprobs holds the k most likely and the chosen token (as OpenAI's legacy
+    API: up to k + 1 entries); the prompt's first token has none."""
+    out = CompletionLogprobs([], [], [], [])
+    for e in entries:
+        text = tokens.text(e.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(e.logprob)
+        if e.logprob is None:
+            out.top_logprobs.append(None)
+        else:
+            top = {tokens.text(t): lp for t, lp in e.top}
+            top.setdefault(text, e.logprob)
+            out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokens: TokenText) -> ChatLogprobs:
+    return ChatLogprobs([
+        ChatLogprob(tokens.text(e.token_id), e.logprob, tokens.bytes(e.token_id),
+                    [TopLogprob(tokens.text(t), lp, tokens.bytes(t)) for t, lp in e.top])
+        for e in entries
+    ])

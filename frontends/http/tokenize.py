@@ -1,0 +1,91 @@
+"""POST /tokenize, POST /detokenize, GET /version, in vLLM's shapes.
+
+/tokenize takes a `prompt` or chat `messages` (rendered through the chat template, as a chat
+request is) and answers the ids the engine would see: `add_special_tokens` defaults to false,
+as the engine's own tokenizing does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+
+import msgspec
+from aiohttp import web
+from msgspec import Struct
+
+from engine.chat_prompt import chat_prompt
+from engine.errors import RequestError
+from frontends.http.errors import ApiError, from_engine
+from frontends.http.generate import ensure_ready
+from frontends.http.models import check_model
+from frontends.http.protocol import ChatMessage, decode
+from frontends.http.state import STATE
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+def _json(body: object) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = decode(await request.read(), TokenizeRequest)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    ensure_ready(state)
+    tokenizer = state.engine.tokenizer
+
+    def run() -> list[int]:
+        text = body.prompt if body.messages is None else chat_prompt(tokenizer, [m.as_dict() for m in body.messages])
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    try:
+        ids = await asyncio.to_thread(run)
+    except RequestError as e:
+        raise from_engine(e) from None
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return _json(TokenizeResponse(len(ids), state.engine.max_model_len, ids, strs))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = decode(await request.read(), DetokenizeRequest)
+    check_model(state, body.model)
+    ensure_ready(state)
+    vocab = len(state.engine.tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise ApiError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+    return _json(DetokenizeResponse(state.engine.tokenizer.decode(body.tokens)))
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        v = metadata.version("stepwise")
+    except metadata.PackageNotFoundError:
+        v = "unknown"
+    return _json({"version": v})

@@ -1,0 +1,29 @@
+"""POST /tokenize, /detokenize and GET /version in vLLM's shapes."""
+
+from __future__ import annotations
+
+
+async def test_tokenize_detokenize_round_trip(tiny):
+    engine, client = tiny
+    resp = await client.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
+    body = await resp.json()
+    ids = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+    assert resp.status == 200 and body["tokens"] == ids and body["count"] == len(ids)
+    assert body["max_model_len"] == engine.max_model_len and len(body["token_strs"]) == len(ids)
+    resp = await client.post("/detokenize", json={"tokens": ids})
+    assert (await resp.json()) == {"prompt": "Hello there"}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = await (await client.post("/tokenize", json={"messages": messages})).json()
+    usage = (await (await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}))
+             .json())["usage"]
+    assert chat["count"] == usage["prompt_tokens"]
+
+
+async def test_tokenize_errors_and_version(tiny):
+    _, client = tiny
+    resp = await client.post("/tokenize", json={})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+    resp = await client.post("/detokenize", json={"tokens": [10**9]})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tokens"
+    resp = await client.get("/version")
+    assert resp.status == 200 and isinstance((await resp.json())["version"], str)
