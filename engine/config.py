@@ -237,6 +237,18 @@ def all_keys() -> dict[str, tuple[str, type]]:
     return out
 
 
+def parse_value(key: str, text: str) -> Any:
+    """A config key's value from command-line text ("1", "true" or "yes" is True for a bool key)."""
+    keys = all_keys()
+    if key not in keys:
+        raise ValueError(f"unknown config key {key!r}")
+    typ = keys[key][1]
+    try:
+        return text.lower() in ("1", "true", "yes") if typ is bool else typ(text)
+    except ValueError:
+        raise ValueError(f"config key {key!r}: bad value {text!r}") from None
+
+
 def _build(section_cls: type, values: dict[str, Any]) -> Any:
     hints = get_type_hints(section_cls)
     for key, value in list(values.items()):

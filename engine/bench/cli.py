@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from engine.bench import limit, llama_server, peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
-from engine.config import EngineConfig, all_keys
+from engine.config import EngineConfig, parse_value
 from engine.cpu import cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
@@ -92,14 +92,10 @@ def _save_run(args, name: str, num_targets: int, requests, timings, start: float
 
 
 def _coerce(key: str, value: str):
-    keys = all_keys()
-    if key not in keys:
-        raise SystemExit(f"unknown config key {key!r}")
-    typ = keys[key][1]
     try:
-        return value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
-    except ValueError:
-        raise SystemExit(f"config key {key!r}: bad value {value!r}") from None
+        return parse_value(key, value)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _sweep(spec: str) -> tuple[str, list[str]]:

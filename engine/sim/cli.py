@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
-from engine.config import EngineConfig, all_keys
+from engine.config import EngineConfig, parse_value
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -89,14 +89,10 @@ def _coerce(key: str, value: str):
         if value not in ROUTERS:
             raise SystemExit(f"router: {value!r} is not one of {sorted(ROUTERS)}")
         return value
-    keys = all_keys()
-    if key not in keys:
-        raise SystemExit(f"unknown config key {key!r}")
-    typ = keys[key][1]
     try:
-        return value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
-    except ValueError:
-        raise SystemExit(f"config key {key!r}: bad value {value!r}") from None
+        return parse_value(key, value)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _base_config(args) -> EngineConfig:
