@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
-import functools
 from contextlib import asynccontextmanager
 
+import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig
-from frontends.http import create_app, sse
+from frontends.http import HttpFrontend, create_app, sse
 from tests import tiny
 
 # A small budget and chunk, so that a stream takes several steps.
@@ -32,6 +32,24 @@ async def serving(loaded, config: EngineConfig, *, fault_hook=None, **app_kwargs
         yield engine, client
     finally:
         await client.close()
+        await engine.stop()
+
+
+@asynccontextmanager
+async def openai_serving(loaded, config: EngineConfig, *, api_key: str = "none",
+                         timeout: float = 300) -> AsyncIterator[tuple[Engine, openai.AsyncOpenAI]]:
+    """A started engine behind a real HttpFrontend (HTTP first, as engine-serve does) and an
+    `openai` client on it. The client closes first, then the frontend, then the engine."""
+    engine = Engine(config, loaded=loaded)
+    frontend = HttpFrontend("127.0.0.1", 0)
+    await frontend.start(engine)
+    await engine.start()
+    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    try:
+        yield engine, client
+    finally:
+        await client.close()
+        await frontend.stop()
         await engine.stop()
 
 

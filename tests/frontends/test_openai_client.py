@@ -8,8 +8,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from engine import Engine, EngineConfig, SamplingParams
-from frontends.http import HttpFrontend
+from engine import EngineConfig, SamplingParams
+from tests.frontends.conftest import openai_serving
 
 pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -20,15 +20,9 @@ MAX_TOKENS = 12
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def server(real_model):
-    engine = Engine(EngineConfig.load(None, num_blocks=256, api_key=API_KEY, served_model_name=MODEL), loaded=real_model)
-    frontend = HttpFrontend("127.0.0.1", 0)
-    await frontend.start(engine)  # HTTP first, as engine-serve does
-    await engine.start()
-    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    yield engine, client
-    await client.close()
-    await frontend.stop()
-    await engine.stop()
+    config = EngineConfig.load(None, num_blocks=256, api_key=API_KEY, served_model_name=MODEL)
+    async with openai_serving(real_model, config, api_key=API_KEY, timeout=120) as pair:
+        yield pair
 
 
 async def generated_tokens(engine, prompt=None, messages=None) -> int:

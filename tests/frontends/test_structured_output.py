@@ -13,9 +13,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from engine import Engine
-from frontends.http import HttpFrontend
 from tests import tiny
+from tests.frontends.conftest import openai_serving
 
 MODEL = "tiny"
 MAX_TOKENS = 400  # room for every schema below to complete (all strings and arrays are bounded)
@@ -67,15 +66,8 @@ SCHEMAS = [
 async def server(request, tiny_model):
     config = tiny.tiny_config(policy=request.param, max_num_batched_tokens=256, chunk_size=32, batch_timeout_ms=200,
                               calibrate_step_cost=False)
-    engine = Engine(config, loaded=tiny_model)
-    frontend = HttpFrontend("127.0.0.1", 0)
-    await frontend.start(engine)
-    await engine.start()
-    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0, timeout=300)
-    yield engine, client
-    await client.close()
-    await frontend.stop()
-    await engine.stop()
+    async with openai_serving(tiny_model, config) as pair:
+        yield pair
 
 
 async def constrained(client, i: int, schema: dict) -> tuple[str, str, str]:

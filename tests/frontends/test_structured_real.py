@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 import pytest_asyncio
 
-from engine import Engine, EngineConfig
-from frontends.http import HttpFrontend
+from engine import EngineConfig
+from tests.frontends.conftest import openai_serving
 
 pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
 
@@ -28,16 +27,9 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(real_model):
-    engine = Engine(EngineConfig.load(None, num_blocks=256, served_model_name=MODEL, calibrate_step_cost=False),
-                    loaded=real_model)
-    frontend = HttpFrontend("127.0.0.1", 0)
-    await frontend.start(engine)
-    await engine.start()
-    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0, timeout=300)
-    yield client
-    await client.close()
-    await frontend.stop()
-    await engine.stop()
+    config = EngineConfig.load(None, num_blocks=256, served_model_name=MODEL, calibrate_step_cost=False)
+    async with openai_serving(real_model, config) as (_, client):
+        yield client
 
 
 async def test_json_schema_validates(client):

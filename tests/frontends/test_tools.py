@@ -12,11 +12,10 @@ import openai
 import pytest
 import pytest_asyncio
 
-from engine import Engine
 from engine.chat_prompt import chat_prompt
 from engine.model.tiny import tiny_tokenizer
-from frontends.http import HttpFrontend
 from tests import tiny
+from tests.frontends.conftest import openai_serving
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -39,15 +38,8 @@ PARAMETERS = {"get_weather": WEATHER, "add": ADD, "now": {"type": "object", "pro
 
 @pytest_asyncio.fixture
 async def client(tiny_model):
-    engine = Engine(tiny.tiny_config(policy="continuous", calibrate_step_cost=False), loaded=tiny_model)
-    frontend = HttpFrontend("127.0.0.1", 0)
-    await frontend.start(engine)
-    await engine.start()
-    client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0, timeout=300)
-    yield client
-    await client.close()
-    await frontend.stop()
-    await engine.stop()
+    async with openai_serving(tiny_model, tiny.tiny_config(policy="continuous", calibrate_step_cost=False)) as (_, client):
+        yield client
 
 
 def check_calls(tool_calls) -> list[tuple[str, str]]:
