@@ -99,7 +99,9 @@ class Scheduler:
                 await self._idle()
                 continue
             plan = self._make_plan(decisions)
-            shape = plan_shape(plan)
+            shape = plan_shape(plan)  # once a step: the prediction below and the fit after it
+            if self.cost.is_fitted:
+                plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(shape))
             result = await self.execute(plan)
             if result.error is None:
                 self.cost.observe(shape, result.forward_s, plan.predicted_s)
@@ -311,11 +313,8 @@ class Scheduler:
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         queried, self._queried_this_step = self._queried_this_step, 0
-        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
+        return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
                         num_prefix_queries=queried)
-        if self.cost.is_fitted:
-            plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(plan_shape(plan)))
-        return plan
 
     def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
         if result.error is not None:
