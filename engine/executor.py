@@ -1,7 +1,8 @@
 """The step executor actor: owns the model and the KV cache memory.
 
 It turns a StepPlan into the flattened batch (token ids, positions, slot mapping, block
-tables), runs the forward and the sampler in its own worker thread — the event loop keeps
+tables), makes the plan's block copies (copy-on-write for n > 1), runs the forward and the
+sampler in its own worker thread — the event loop keeps
 serving HTTP and the monitor during a long step — and answers with the sampled tokens. A
 step that raises is reported as a failed StepResult; the actor itself carries on.
 """
@@ -68,6 +69,7 @@ class Executor:
     def run_plan(self, plan: StepPlan) -> tuple[dict[str, int], float]:
         """The sampled token per request, and the seconds the model forward took."""
         device = self.model.device
+        self.kv_cache.copy_blocks(plan.block_copies)  # before the forward writes into the copies
         batch = flatten_batch(plan.items, self.block_size, device)
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
         rows = torch.tensor([batch.logits_rows[i] for i in sampling], dtype=torch.long, device=device)
@@ -79,11 +81,16 @@ class Executor:
         if not sampling:
             return {}, forward_s
         chosen = [plan.items[i] for i in sampling]
+        # one draw per item, and one more per fork (n > 1) from the same row with its own generator
+        draws = [(c, rid, gen) for c in chosen for rid, gen in [(c.request_id, c.generator), *c.forks]]
+        logits = logits.cpu()
+        if len(draws) > len(chosen):
+            logits = logits[[k for k, c in enumerate(chosen) for _ in range(1 + len(c.forks))]]  # [S + forks, V]
         tokens = sample(
-            logits.cpu(),
-            [c.temperature for c in chosen],
-            [c.top_k for c in chosen],
-            [c.top_p for c in chosen],
-            [c.generator for c in chosen],
+            logits,
+            [c.temperature for c, _, _ in draws],
+            [c.top_k for c, _, _ in draws],
+            [c.top_p for c, _, _ in draws],
+            [gen for _, _, gen in draws],
         )
-        return {c.request_id: t for c, t in zip(chosen, tokens)}, forward_s
+        return {rid: t for (_, rid, _), t in zip(draws, tokens)}, forward_s

@@ -17,7 +17,7 @@ from engine.chat_prompt import chat_prompt
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
-from engine.request import Request
+from engine.request import Request, choice_seed
 
 LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
 
@@ -33,7 +33,9 @@ class Intake:
         num_waiting: Callable[[], int],
         seed: int = 0,
         eos_token_ids: frozenset[int] | None = None,  # default: the tokenizer's EOS
+        max_num_seqs: int | None = None,  # n > this could never be scheduled at once
     ):
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
         self.max_model_len = max_model_len
@@ -70,6 +72,9 @@ class Intake:
 
     async def _admit(self, msg: Submit) -> Request:
         msg.params.validate()
+        if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
+            raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
+                               "(max_num_seqs)", "n")
         if self.num_waiting() >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
         ids = await self._tokenize(msg)
@@ -91,9 +96,17 @@ class Intake:
                 f"completion) but the whole pool holds {self.kv_capacity_tokens}; it could never run",
                 "max_tokens",
             )
-        detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop))
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals), msg.outputs, seed)
+        arrival = next(self._arrivals)
+
+        def choice(index: int) -> Request:
+            request_id = msg.request_id if index == 0 else f"{msg.request_id}#{index}"
+            return Request(request_id, ids, msg.params, Detokenizer(self.tokenizer, ids, list(msg.params.stop)),
+                           self.eos_token_ids, arrival, msg.outputs, choice_seed(seed, index), index, msg.request_id)
+
+        request = choice(0)
+        request.pending_forks = [choice(i) for i in range(1, msg.params.n)]
+        return request
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

@@ -28,6 +28,7 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0  # the choice (n > 1): each choice's outputs end with its own final one
 
 
 Kind = Literal["prefill", "decode", "padding"]
@@ -114,6 +115,9 @@ class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     top_p: float = 1.0
     generator: Any = None  # the request's torch.Generator
+    # (request id, generator) of more choices sampled from this row (n > 1: the group's other
+    # choices, once its prompt is prefilled); each gets its own token in the result
+    forks: list[tuple[str, Any]] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +126,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     token_budget: int
     num_cached_tokens: int = 0
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
+    block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward (copy-on-write)
 
     @property
     def num_tokens(self) -> int:

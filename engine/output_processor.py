@@ -50,7 +50,7 @@ def emit(req: Request, new_tokens: list[int], final: bool) -> None:
     if not (final or new_tokens or text):
         return
     req.outputs.put_nowait(RequestOutput(
-        request_id=req.request_id, text=text, token_ids=new_tokens, finished=final,
+        request_id=req.group_id, index=req.index, text=text, token_ids=new_tokens, finished=final,
         finish_reason=req.finish_reason if final else None, num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens,
         error=req.error if final else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 
 import msgspec
@@ -10,6 +11,8 @@ import msgspec
 from engine.detokenizer import Detokenizer
 from engine.errors import RequestError
 from engine.output_buffer import OutputBuffer
+
+MAX_N = 16  # choices per request (SamplingParams.n); intake also bounds it by max_num_seqs
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +25,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     priority: int = 0
+    n: int = 1  # choices sampled from the one prompt (prefilled once, its KV blocks shared)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -42,6 +46,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise RequestError(f"priority must be an integer, got {self.priority!r}", "priority")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (so it
+    samples what an n=1 request would), the others get distinct deterministic derivatives."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # [0, 2^63)
 
 
 class Status(enum.Enum):
@@ -52,7 +67,12 @@ class Status(enum.Enum):
 
 class Request:
     """Mutable scheduling state. Owned by the scheduler actor from the moment intake hands it
-    over; others see it only through published snapshots and RequestOutputs."""
+    over; others see it only through published snapshots and RequestOutputs.
+
+    A request with n > 1 is a group of n of these, one per choice, sharing one output buffer
+    (their outputs carry `index`). Choice 0 has the group's id and runs the prompt; the others
+    (`group_id#i`) wait in its `pending_forks` until its prefill samples their first tokens,
+    then run on their own from a fork of its KV blocks."""
 
     def __init__(
         self,
@@ -64,8 +84,13 @@ class Request:
         arrival: int,
         outputs: OutputBuffer | None = None,
         seed: int | None = None,
+        index: int = 0,
+        group_id: str | None = None,
     ):
         self.request_id = request_id
+        self.index = index  # the choice this request is (0 unless n > 1)
+        self.group_id = group_id or request_id  # the id its outputs carry
+        self.pending_forks: list[Request] = []  # choices to fork from this one once its prompt is prefilled
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
@@ -101,8 +126,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.params.priority, self.arrival)
+    def num_seqs(self) -> int:
+        """Sequences it will run as (itself and the choices still to fork from it)."""
+        return 1 + len(self.pending_forks)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.params.priority, self.arrival, self.index)
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,13 @@ prefix hits, refusals) → the executor runs the plan → the output processor a
 sampled tokens → publish a StepRecord. When the pool is dry the scheduler preempts the
 running request with the lowest priority, newest first (recompute: its blocks are freed and
 it goes back to the waiting queue).
+
+n > 1: a request's choices are requests of their own (engine/request.py). Choice 0 prefills
+the prompt once; the step that samples its first token samples every choice's (one logits
+row, each choice's own generator), and the other choices then fork its KV blocks (shared by
+reference count; the block manager decides the copy-on-write of a partial last block, the
+plan carries the copies). From then on each choice is scheduled, preempted (recomputing only
+itself) and finished on its own; an abort of the group's id ends them all.
 """
 
 from __future__ import annotations
@@ -143,27 +150,33 @@ class Scheduler:
         match msg:
             case AddRequest(request):
                 self._num_adds_pending -= 1
-                if request.request_id in self.requests:
+                members = [request, *request.pending_forks]
+                if taken := [r.request_id for r in members if r.request_id in self.requests]:
                     # The engine refuses a live duplicate id before intake; this guards the maps.
-                    request.outputs.put_nowait(RequestOutput(
-                        request_id=request.request_id, text="", token_ids=[], finished=True, finish_reason="error",
-                        error=f"request id {request.request_id!r} is already in use",
-                    ))
+                    for r in members:
+                        request.outputs.put_nowait(RequestOutput(
+                            request_id=request.request_id, text="", token_ids=[], finished=True,
+                            finish_reason="error", error=f"request id {taken[0]!r} is already in use", index=r.index,
+                        ))
                     return True
-                self.requests[request.request_id] = request
+                for r in members:
+                    self.requests[r.request_id] = r  # the choices to fork wait outside the queues
                 self._enqueue(request)
             case AbortRequest(request_id):
                 # Intake puts AddRequest in this inbox before submit() returns the id, so an
                 # unknown id has already left (or never existed): nothing to do.
                 req = self.requests.get(request_id)
-                if req is None:
-                    pass
-                elif not req.is_finished:
-                    self._remove(req)
-                    self._finish(req, "abort")
-                elif self.policy.holds_finished(req):
-                    self.release(req)  # finished but held by static batching: let it go now
-                    self.policy.forget(req)
+                if req is None or req.params.n > 1:  # every choice of the group still here
+                    members = [r for r in self.requests.values() if r.group_id == request_id]
+                else:
+                    members = [req]
+                for req in members:
+                    if not req.is_finished:
+                        self._remove(req)
+                        self._finish(req, "abort")
+                    elif self.policy.holds_finished(req):
+                        self.release(req)  # finished but held by static batching: let it go now
+                        self.policy.forget(req)
             case Shutdown(reason):
                 self._fail_all(reason)
                 return False
@@ -199,7 +212,7 @@ class Scheduler:
         emit(req, new_tokens or [], final=True)
         self._finished.append(FinishedRequest(
             req.request_id, req.finish_reason or "abort", self.clock() - req.arrival_time,
-            req.num_prompt_tokens, len(req.output_token_ids),
+            req.num_prompt_tokens if req.index == 0 else 0, len(req.output_token_ids),
         ))
 
     # --- state changes ----------------------------------------------------------------
@@ -236,6 +249,10 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
+        forks, req.pending_forks = req.pending_forks, []
+        for child in forks:  # never forked (ended before its prompt was prefilled): they end with it
+            if not child.is_finished:
+                self._finish(child, reason, error)
         if reason not in ("abort", "error") and self.policy.holds_finished(req):
             emit(req, new_tokens or [], final=False)  # static batching: final output when the batch ends
             return
@@ -243,6 +260,8 @@ class Scheduler:
 
     def _fail_all(self, reason: str) -> None:
         for req in list(self.requests.values()):
+            if req.request_id not in self.requests:
+                continue  # a pending fork that ended with its group just now
             self._remove(req)
             if req.is_finished:
                 self.release(req)  # held by static batching
@@ -298,9 +317,11 @@ class Scheduler:
                 request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
                 temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator,
+                forks=[(c.request_id, c.generator) for c in req.pending_forks] if sample else [],
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
-        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached)
+        plan = StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
+                        block_copies=self.ledger.take_copies())
         if self.cost.is_fitted:
             plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(plan_shape(plan)))
         return plan
@@ -326,11 +347,26 @@ class Scheduler:
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
         self.ledger.commit(commits)
+        for d in decisions:
+            if d.request.pending_forks and d.request.request_id in result.sampled:
+                self._fork(d.request)
         stopped, ttft, itl = self.outputs.process(self.requests, result.sampled)
         for req, reason, token in stopped:
             self.running.remove(req)
             self._finish(req, reason, new_tokens=[token])
         return ttft, itl
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is prefilled and the step sampled every choice's first token:
+        the other choices start from its KV blocks, computed up to where it is."""
+        children, parent.pending_forks = parent.pending_forks, []
+        for child in children:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = Status.RUNNING
+            self.running.append(child)
+            self.ledger.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+        self.policy.forked(parent, children)
 
     # --- publishing -------------------------------------------------------------------
 

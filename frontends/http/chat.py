@@ -38,19 +38,20 @@ class ChatRenderer:
     def _no_usage(self):
         return None if self.include_usage else UNSET
 
-    def opening(self) -> list[object]:
-        return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""))], self._no_usage())]
+    def opening(self, n: int) -> list[object]:
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))], self._no_usage())
+                for i in range(n)]
 
-    def delta(self, text: str, finish_reason: str | None) -> ChatChunk:
+    def delta(self, index: int, text: str, finish_reason: str | None) -> ChatChunk:
         delta = Delta(content=text) if text else Delta()
-        return self._chunk([ChatChunkChoice(0, delta, None, finish_reason)], self._no_usage())
+        return self._chunk([ChatChunkChoice(index, delta, None, finish_reason)], self._no_usage())
 
     def usage_chunk(self, usage: Usage) -> ChatChunk:
         return self._chunk([], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletion:
-        choice = ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)
-        return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage)
+    def whole(self, choices: list[tuple[str, str]], usage: Usage) -> ChatCompletion:
+        body = [ChatChoice(i, AssistantMessage("assistant", text), None, reason) for i, (text, reason) in enumerate(choices)]
+        return ChatCompletion(self.id, "chat.completion", self.created, self.model, body, usage)
 
 
 async def prompt_ids(state: ServerState, messages: list[dict]) -> list[int]:

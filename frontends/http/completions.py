@@ -23,17 +23,18 @@ class CompletionRenderer:
     def _object(self, choices: list[CompletionChoice], usage) -> Completion:
         return Completion(self.id, "text_completion", self.created, self.model, choices, usage)
 
-    def opening(self) -> list[object]:
+    def opening(self, n: int) -> list[object]:
         return []
 
-    def delta(self, text: str, finish_reason: str | None) -> Completion:
-        return self._object([CompletionChoice(0, text, None, finish_reason)], None if self.include_usage else UNSET)
+    def delta(self, index: int, text: str, finish_reason: str | None) -> Completion:
+        return self._object([CompletionChoice(index, text, None, finish_reason)], None if self.include_usage else UNSET)
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return self._object([], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> Completion:
-        return self._object([CompletionChoice(0, text, None, finish_reason)], usage)
+    def whole(self, choices: list[tuple[str, str]], usage: Usage) -> Completion:
+        return self._object([CompletionChoice(i, text, None, reason) for i, (text, reason) in enumerate(choices)],
+                            usage)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -7,6 +7,11 @@ anything was written) cancels it; the cancellation lands in `engine.stream`, who
 aborts the request. A cancellation during `submit` aborts the request as soon as intake
 accepts it (`Engine.submit`).
 
+With n > 1 the engine's outputs of the choices interleave, each tagged with its `index`:
+streamed, each becomes a chunk whose one choice has that index (and its own finish_reason);
+whole, they are gathered per choice. Usage counts the prompt once and sums the choices'
+completion tokens.
+
 Headers go out with the first output (the first token). This keeps submit and the first
 iteration of `engine.stream` back to back with no await in between, so there is no moment
 where a request is accepted but nothing would clean it up.
@@ -42,15 +47,45 @@ class Job:
 class Renderer(Protocol):
     id: str
 
-    def opening(self) -> list[object]:
-        """Chunks sent before the first delta (chat: the assistant role)."""
+    def opening(self, n: int) -> list[object]:
+        """Chunks sent before the first delta (chat: the assistant role of each of the n choices)."""
         ...
 
-    def delta(self, text: str, finish_reason: str | None) -> object: ...
+    def delta(self, index: int, text: str, finish_reason: str | None) -> object: ...
 
     def usage_chunk(self, usage: Usage) -> object: ...
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> object: ...
+    def whole(self, choices: list[tuple[str, str]], usage: Usage) -> object:
+        """The response of all choices: (text, finish_reason) each, in index order."""
+        ...
+
+
+class Choices:
+    """What the outputs of the n choices add up to: per choice, text and end; the usage."""
+
+    def __init__(self, n: int):
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.num_generated = [0] * n
+        self.num_prompt_tokens = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.texts[out.index].append(out.text)
+        if out.finished:
+            self.finish_reasons[out.index] = out.finish_reason
+            self.num_generated[out.index] = out.num_generated_tokens
+            self.num_prompt_tokens = out.num_prompt_tokens
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+    def whole(self) -> list[tuple[str, str]]:
+        return [("".join(t), r or "") for t, r in zip(self.texts, self.finish_reasons)]
+
+    def usage(self) -> Usage:
+        completion = sum(self.num_generated)
+        return Usage(self.num_prompt_tokens, completion, self.num_prompt_tokens + completion)
 
 
 def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> None:
@@ -84,12 +119,8 @@ async def generate(request: web.Request, state: ServerState, job: Job, render: R
             raise from_engine(e) from None
         async with aclosing(engine.stream(request_id)) as outputs:
             if job.stream:
-                return await _relay(request, state, outputs, render, job.include_usage)
-            return await _collect(state, outputs, render)
-
-
-def usage_of(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens)
+                return await _relay(request, state, outputs, render, job.include_usage, job.params.n)
+            return await _collect(state, outputs, render, job.params.n)
 
 
 def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
@@ -101,22 +132,24 @@ def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
     return ApiError(500, f"generation failed: {out.error}", code="engine_error")
 
 
-async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer) -> web.Response:
-    parts: list[str] = []
+async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer,
+                   n: int) -> web.Response:
+    choices = Choices(n)
     async for out in outputs:
-        parts.append(out.text)
-        if out.finished:
-            if out.finish_reason in ("abort", "error"):
-                raise ended_early(state, out)
-            body = render.whole("".join(parts), out.finish_reason, usage_of(out))
-            return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                                headers={"X-Request-Id": render.id})
-    raise ApiError(500, "the engine ended the request without a final output", code="engine_error")
+        if out.finished and out.finish_reason in ("abort", "error"):
+            raise ended_early(state, out)
+        choices.add(out)
+    if not choices.done:
+        raise ApiError(500, "the engine ended the request without a final output", code="engine_error")
+    body = render.whole(choices.whole(), choices.usage())
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                        headers={"X-Request-Id": render.id})
 
 
 async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer,
-                 include_usage: bool) -> web.StreamResponse:
+                 include_usage: bool, n: int) -> web.StreamResponse:
     response: web.StreamResponse | None = None
+    choices = Choices(n)
     try:
         async for out in outputs:
             failed = out.finished and out.finish_reason in ("abort", "error")
@@ -124,15 +157,17 @@ async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterato
                 if failed:
                     raise ended_early(state, out)  # nothing sent yet: a plain HTTP error
                 response = await sse.open_stream(request, {"X-Request-Id": render.id})
-                for chunk in render.opening():
+                for chunk in render.opening(n):
                     await response.write(sse.frame(chunk))
             if failed:
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
             if out.text or out.finished:
-                await response.write(sse.frame(render.delta(out.text, out.finish_reason if out.finished else None)))
-            if out.finished and include_usage:
-                await response.write(sse.frame(render.usage_chunk(usage_of(out))))
+                reason = out.finish_reason if out.finished else None
+                await response.write(sse.frame(render.delta(out.index, out.text, reason)))
+            choices.add(out)
+            if choices.done and include_usage:
+                await response.write(sse.frame(render.usage_chunk(choices.usage())))
         if response is None:
             raise ApiError(500, "the engine ended the request without output", code="engine_error")
         await response.write(sse.DONE)

@@ -38,6 +38,7 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     priority: int = 0
     n: int = 1
+    best_of: int | None = None  # refused (other than 1): sampling best_of and returning n is not implemented
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -46,8 +47,9 @@ class SamplingFields(Struct, kw_only=True):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise ApiError(400, f"only n=1 is supported, got {self.n}", param="n")
+        if self.best_of is not None and self.best_of != 1:
+            raise ApiError(400, f"best_of is not supported (got {self.best_of}); use n for several choices",
+                           param="best_of")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -61,6 +63,7 @@ class SamplingFields(Struct, kw_only=True):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             priority=self.priority,
+            n=self.n,
         )
 
 
