@@ -1,10 +1,12 @@
 """The KV block manager actor: the only owner of the BlockPool.
 
 The scheduler sends it one `KVStep` per step — everything that step changes in the cache:
-commits of newly computed blocks, frees of requests that left, growths of running requests
-and admissions of new ones — and gets one `KVGrant` back: the block tables, what each
-admission got (prefix-cache hits found here), the growths refused, and the pool's figures.
-Order inside a step: commits, frees, growths (most important request first), admissions.
+commits of newly computed blocks, forks (n > 1: a choice starts from its group's prefilled
+prompt), frees of requests that left, growths of running requests and admissions of new
+ones — and gets one `KVGrant` back: the block tables, what each admission got (prefix-cache
+hits found here), the growths refused, the block copies the executor must make before the
+step (copy-on-write of a forked partial block), and the pool's figures.
+Order inside a step: commits, forks, frees, growths (most important request first), admissions.
 Once a growth is refused, no later growth takes a new block and no admission is granted: the
 blocks there are go to the more important requests.
 
@@ -35,6 +37,7 @@ class KVStep(msgspec.Struct, tag=True):
     frees: list[str]
     grows: list[tuple[str, int]]  # (request id, tokens to hold in all), most important first
     admits: list[Admit]
+    forks: list[tuple[str, str, int]] = []  # (parent id, child id, tokens shared)
     reply: asyncio.Future | None = None  # -> KVGrant; None: nothing to answer (a flush)
 
 
@@ -63,6 +66,7 @@ class KVGrant(msgspec.Struct, frozen=True):
     admitted: dict[str, Admitted]
     refused: list[str]  # growths the pool could not supply
     figures: KVFigures
+    copies: list[tuple[int, int]] = []  # (src, dst) blocks: copy src's KV to dst before the step writes
 
 
 class BlockManager:
@@ -99,17 +103,24 @@ class BlockManager:
         pool = self._pool
         for request_id, token_ids, num_computed in step.commits:
             pool.commit(request_id, token_ids, num_computed)
+        tables, refused, admitted, copies = {}, [], {}, []
+        for parent_id, child_id, num_tokens in step.forks:
+            pool.fork(parent_id, child_id, num_tokens)
+            tables[child_id] = pool.tables[child_id]
         for request_id in step.frees:
             pool.free(request_id)
-        tables, refused, admitted = {}, [], {}
+            tables.pop(request_id, None)
         dry = False  # once a growth needing blocks is refused, no less important one takes any
         for request_id, num_tokens in step.grows:
             table = pool.tables.get(request_id, [])
-            if dry and pool.blocks_for(num_tokens) > len(table) or pool.allocate(request_id, num_tokens) is None:
+            needs = pool.blocks_for(num_tokens) > len(table) or pool.needs_copy(request_id)
+            if dry and needs or (alloc := pool.allocate(request_id, num_tokens)) is None:
                 dry = True
                 refused.append(request_id)
             else:
                 tables[request_id] = pool.tables[request_id]
+                if alloc.copied is not None:
+                    copies.append(alloc.copied)
         for a in step.admits:
             if dry:  # a running request is short of blocks: no newcomer takes any
                 admitted[a.request_id] = Admitted(0, 0)
@@ -120,7 +131,7 @@ class BlockManager:
             if new:
                 tables[a.request_id] = pool.tables[a.request_id]
         self.figures = self._figures()
-        return KVGrant(tables, admitted, refused, self.figures)
+        return KVGrant(tables, admitted, refused, self.figures, copies)
 
     def check_invariants(self) -> None:
         """For tests: the pool's own consistency checks."""

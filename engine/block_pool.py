@@ -5,6 +5,13 @@ A full block is identified by a collision-resistant hash chained with its predec
 a later request with the same prefix takes them back for free; a request needing fresh
 blocks evicts the least recently freed one. The block manager actor owns one BlockPool;
 property tests drive it directly.
+
+Forking (n > 1 choices from one prompt): a child starts with its parent's table, every block
+shared by reference count. Full blocks are never written again, so sharing them is free; the
+partly filled last block will be written by every sharer, so it is copy-on-write: each
+sharer's next growth takes a private copy while others still hold it (the last one writes
+in place). The copy itself is KV memory, the executor's: the growth reports (src, dst) and
+the block manager passes it on in its grant.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from engine.block_hash import hash_block, prefix_block_hashes
 class Allocation:
     block_table: list[int]
     num_cached_tokens: int  # leading tokens whose KV is already in the cache
+    copied: tuple[int, int] | None = None  # (src, dst): copy-on-write, the KV of src must be copied to dst
 
 
 class BlockPool:
@@ -34,6 +42,7 @@ class BlockPool:
         self.tables: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a request already hashed
         self.last_hash: dict[str, bytes | None] = {}
+        self.cow: dict[str, int] = {}  # request id -> index of the shared partial block it writes next
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -73,8 +82,18 @@ class BlockPool:
         table = self.tables.get(request_id, [])
         needed = self.blocks_for(num_tokens) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
-        if needed > self.num_free_blocks - revived:
+        cow = self.cow.get(request_id)
+        copy = cow is not None and self.ref_count[table[cow]] > 1
+        if max(0, needed) + copy > self.num_free_blocks - revived:
             return None
+        copied = None
+        if cow is not None:
+            del self.cow[request_id]
+            if copy:  # others still hold the block: write into a private copy of it
+                src, dst = table[cow], self._take_fresh()
+                self.ref_count[src] -= 1
+                table[cow] = dst
+                copied = (src, dst)
         if request_id not in self.tables:
             self.tables[request_id] = table
             self.num_hashed[request_id] = len(hits)
@@ -89,7 +108,26 @@ class BlockPool:
             table.append(b)
         for _ in range(max(0, needed)):
             table.append(self._take_fresh())
-        return Allocation(list(table), len(hits) * self.block_size)
+        return Allocation(list(table), len(hits) * self.block_size, copied)
+
+    def needs_copy(self, request_id: str) -> bool:
+        """Its next growth takes a block for copy-on-write."""
+        cow = self.cow.get(request_id)
+        return cow is not None and self.ref_count[self.tables[request_id][cow]] > 1
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """`child_id` starts as `parent_id`'s first `num_tokens` tokens, computed: it shares
+        their blocks. A partly filled last block becomes copy-on-write for both."""
+        assert child_id not in self.tables, f"{child_id} already holds blocks"
+        table = self.tables[parent_id][: self.blocks_for(num_tokens)]
+        assert self.num_hashed[parent_id] <= len(table)
+        for b in table:
+            self.ref_count[b] += 1
+        self.tables[child_id] = list(table)
+        self.num_hashed[child_id] = self.num_hashed[parent_id]
+        self.last_hash[child_id] = self.last_hash[parent_id]
+        if num_tokens % self.block_size:
+            self.cow[parent_id] = self.cow[child_id] = num_tokens // self.block_size
 
     def admit(self, request_id: str, token_ids: list[int] | None, total: int, max_new: int, min_new: int) -> tuple[int, int]:
         """Start a request that holds no blocks: look its prefix up among `token_ids` (None =
@@ -149,6 +187,7 @@ class BlockPool:
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         self.last_hash.pop(request_id, None)
+        self.cow.pop(request_id, None)
         if table is None:
             return
         # Tail first: the LRU then evicts a prefix's tail before its (more shareable) head.
@@ -172,3 +211,5 @@ class BlockPool:
         assert len(idle) == len(self.free_blocks) + len(self.evictable), "a block is listed free twice"
         assert idle.isdisjoint(owned), "an owned block is on a free list"
         assert len(idle) + len(owned) == self.num_blocks, "a block is lost"
+        for request_id, i in self.cow.items():
+            assert request_id in self.tables and i < len(self.tables[request_id]), f"{request_id}: stale copy-on-write"

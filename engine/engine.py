@@ -34,7 +34,7 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model
 from engine.output_buffer import OutputBuffer
 from engine.policies import make_policy
-from engine.request import SamplingParams
+from engine.request import MAX_N, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_cost import CostFigures
 from engine.step_cost_calibration import calibrate
@@ -105,6 +105,7 @@ class Engine:
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
             shape.vocab_size,
+            cfg.scheduler.max_num_seqs,
         )
         if cfg.scheduler.calibrate_step_cost:
             await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks,
@@ -133,9 +134,11 @@ class Engine:
         """End every stream still open with an error (a dead actor will never answer them);
         a stream that already got its final output is left as it is."""
         for request_id, outputs in list(self._live.items()):
-            outputs.put_nowait(RequestOutput(
-                request_id=request_id, text="", token_ids=[], finished=True, finish_reason="error", error=reason,
-            ))
+            for index in outputs.open_choices():
+                outputs.put_nowait(RequestOutput(
+                    request_id=request_id, text="", token_ids=[], finished=True, finish_reason="error", error=reason,
+                    index=index,
+                ))
 
     async def stop(self) -> None:
         if not self._tasks:
@@ -181,10 +184,12 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use by a live request", "request_id")
-        outputs = OutputBuffer(on_final=lambda: self._forget(request_id, outputs))
+        params = params or SamplingParams()
+        n = params.n if isinstance(params.n, int) and 1 <= params.n <= MAX_N else 1  # a bad n is refused by intake
+        outputs = OutputBuffer(on_final=lambda: self._forget(request_id, outputs), num_choices=n)
         self._live[request_id] = outputs  # reserved now: no await between the check and this
         reply = asyncio.get_running_loop().create_future()
-        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params or SamplingParams(), outputs, reply))
+        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params, outputs, reply))
         try:
             await asyncio.shield(reply)
         except asyncio.CancelledError:
@@ -214,7 +219,9 @@ class Engine:
         messages: list[dict] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs (deltas). Leaving the loop early aborts the request."""
+        """Stream RequestOutputs (deltas). Leaving the loop early aborts the request. With
+        `params.n` > 1 the choices' outputs interleave, each tagged with its `index`; the
+        stream ends after every choice's final output."""
         request_id = await self.submit(prompt, params, messages=messages, request_id=request_id)
         async for out in self.stream(request_id):
             yield out
@@ -229,7 +236,7 @@ class Engine:
         try:
             while True:
                 out: RequestOutput = await outputs.get()
-                finished = out.finished
+                finished = outputs.is_done
                 yield out
                 if finished:
                     return

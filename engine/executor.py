@@ -1,7 +1,8 @@
 """The step executor actor: owns the model and the KV cache memory.
 
 It turns a StepPlan into the flattened batch (token ids, positions, slot mapping, block
-tables), runs the forward and the sampler in its own worker thread — the event loop keeps
+tables), makes the plan's block copies (copy-on-write for n > 1), runs the forward and the
+sampler in its own worker thread — the event loop keeps
 serving HTTP and the monitor during a long step — and answers with the sampled tokens. A
 step that raises is reported as a failed StepResult; the actor itself carries on.
 """
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import torch
 
 from engine.batch import flatten_batch
@@ -72,6 +74,7 @@ class Executor:
     def run_plan(self, plan: StepPlan) -> StepOutcome:
         """The sampled token per request (and logprobs where asked), and the seconds the model forward took."""
         device = self.model.device
+        self.kv_cache.copy_blocks(plan.block_copies)  # before the forward writes into the copies
         batch = flatten_batch(plan.items, self.block_size, device)
         sampling = [i for i, item in enumerate(plan.items) if item.sample]
         scored = [i for i, item in enumerate(plan.items) if item.prompt_targets]
@@ -91,6 +94,9 @@ class Executor:
             return StepOutcome({}, forward_s, prompt_logprobs=prompt_logprobs)
         chosen = [plan.items[i] for i in sampling]
         logits = logits[: len(sampling)].cpu()  # [S, V]
+        if any(c.forks for c in chosen):  # n > 1: each fork draws from its choice 0's row
+            logits = logits[[k for k, c in enumerate(chosen) for _ in range(1 + len(c.forks))]]  # [S + forks, V]
+            chosen = [d for c in chosen for d in (c, *_fork_items(c))]
         want_logprobs = [j for j, c in enumerate(chosen) if c.logprobs >= 0]
         raw = logits[want_logprobs].clone() if want_logprobs else None  # [L, V]: before processing
         if needs_processing(chosen):
@@ -110,6 +116,13 @@ class Executor:
             entries = token_logprobs(raw, [tokens[j] for j in want_logprobs], [chosen[j].logprobs for j in want_logprobs])
             logprobs = {chosen[j].request_id: e for j, e in zip(want_logprobs, entries)}
         return StepOutcome({c.request_id: t for c, t in zip(chosen, tokens)}, forward_s, logprobs, prompt_logprobs)
+
+
+def _fork_items(item: PlanItem) -> list[PlanItem]:
+    """The choices forked from `item` (n > 1) as items of their own: the same row and sampling
+    parameters, each its own request id, generator and grammar state."""
+    return [msgspec.structs.replace(item, request_id=rid, generator=gen, grammar=grammar, forks=[], prompt_targets=[])
+            for rid, gen, grammar in item.forks]
 
 
 def _prompt_logprobs(items: list[PlanItem], logits: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:

@@ -18,7 +18,7 @@ from engine.chat_prompt import chat_prompt
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
-from engine.request import Request
+from engine.request import Request, choice_seed
 from engine.structured.compiler import GrammarCache
 
 LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
@@ -36,6 +36,7 @@ class Intake:
         seed: int = 0,
         eos_token_ids: frozenset[int] | None = None,  # default: the tokenizer's EOS
         vocab_size: int | None = None,  # the model's logits width (default: the tokenizer's size)
+        max_num_seqs: int | None = None,  # n > this could never be scheduled at once
     ):
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
@@ -43,6 +44,7 @@ class Intake:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_waiting = max_waiting
         self.num_waiting = num_waiting
+        self.max_num_seqs = max_num_seqs
         self.vocab_size = len(tokenizer)
         if eos_token_ids is None:
             eos_token_ids = frozenset() if tokenizer.eos_token_id is None else frozenset([tokenizer.eos_token_id])
@@ -75,6 +77,9 @@ class Intake:
 
     async def _admit(self, msg: Submit) -> Request:
         msg.params.validate()
+        if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
+            raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
+                               "(max_num_seqs)", "n")
         if self.num_waiting() >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
         ids = await self._tokenize(msg)
@@ -98,13 +103,22 @@ class Intake:
             )
         if any(t >= self.vocab_size for t in msg.params.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
-        detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens)
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
-        grammar = None
+        arrival = next(self._arrivals)
+        compiled = None
         if msg.params.structured_output is not None:
-            grammar = self.grammars.matcher(await self.grammars.get(msg.params.structured_output))
-        return Request(msg.request_id, ids, msg.params, detok, self.eos_token_ids, next(self._arrivals), msg.outputs, seed,
-                       grammar)
+            compiled = await self.grammars.get(msg.params.structured_output)
+
+        def choice(index: int) -> Request:  # n > 1: each choice its own stream, seed and grammar state
+            request_id = msg.request_id if index == 0 else f"{msg.request_id}#{index}"
+            detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens)
+            grammar = self.grammars.matcher(compiled) if compiled is not None else None
+            return Request(request_id, ids, msg.params, detok, self.eos_token_ids, arrival, msg.outputs,
+                           choice_seed(seed, index), grammar, index, msg.request_id)
+
+        request = choice(0)
+        request.pending_forks = [choice(i) for i in range(1, msg.params.n)]
+        return request
 
     async def _tokenize(self, msg: Submit) -> list[int]:
         if msg.messages is not None:

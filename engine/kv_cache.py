@@ -32,6 +32,15 @@ class KVCache:
         """(k_cache, v_cache) of layer i, each [num_blocks, block_size, KVH, D]."""
         return self.data[i, 0], self.data[i, 1]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's keys and values, every layer (copy-on-write of a
+        block forked sequences shared). The dst blocks are fresh: no dst is another's src."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.data.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]  # [L, 2, C, block_size, KVH, D]
+
     @property
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()

@@ -6,7 +6,11 @@ holds, and the changes of the step being planned (commits, frees, growths, admis
 as one `KVStep`. The estimate is exact for growths and conservative for admissions (prefix
 hits are found by the pool, and only ever lower the cost); a free counts all of a request's
 blocks although shared prefix blocks stay taken, so a growth may still be refused — the
-grant says which, and the scheduler preempts those requests.
+grant says which, and the scheduler preempts those requests. A fork (n > 1) takes no block
+and is counted as holding its parent's; its first growth, and its parent's, is counted one
+block more for the copy-on-write of a shared partial block (safe: the last sharer copies
+nothing). The grant lists the block copies the pool decided; the scheduler hands them to the
+executor with the next plan (`take_copies`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ class KVLedger:
         # request id -> (tokens to hold, blocks held before); insertion order = importance
         self._grows: dict[str, tuple[int, int]] = {}
         self._admits: list[Admit] = []
+        self._forks: list[tuple[str, str, int]] = []
         self._before: dict[str, int] = {}  # blocks held before the growths of the last message
+        self._cow: set[str] = set()  # forked requests whose next growth may copy a block
+        self._copies: list[tuple[int, int]] = []  # granted copies not yet handed to the executor
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -43,7 +50,7 @@ class KVLedger:
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Plan for a running request to hold `num_tokens` tokens. False: no room."""
         held = self.held.get(request_id, 0)
-        need = self.blocks_for(num_tokens) - held
+        need = self.blocks_for(num_tokens) - held + (request_id in self._cow)
         if need > self.num_free_blocks:
             return False
         if need > 0:
@@ -63,8 +70,16 @@ class KVLedger:
         self._admits.append(Admit(request_id, token_ids, lookup, max_new, min_new))
         return n
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """`child_id` shares `parent_id`'s blocks of its first `num_tokens` (computed) tokens."""
+        self.held[child_id] = self.blocks_for(num_tokens)
+        self._forks.append((parent_id, child_id, num_tokens))
+        if num_tokens % self.block_size:
+            self._cow.update((parent_id, child_id))
+
     def free(self, request_id: str) -> None:
         """The request leaves: its blocks go back (sent with the next step's message)."""
+        self._cow.discard(request_id)
         if request_id in self.held:
             self.num_free_blocks += self.held.pop(request_id)
             self.tables.pop(request_id, None)
@@ -78,13 +93,19 @@ class KVLedger:
 
     @property
     def has_changes(self) -> bool:
-        return bool(self._commits or self._frees or self._grows or self._admits)
+        return bool(self._commits or self._frees or self._grows or self._admits or self._forks)
 
     def take(self) -> KVStep:
-        step = KVStep(self._commits, self._frees, [(r, n) for r, (n, _) in self._grows.items()], self._admits)
+        step = KVStep(self._commits, self._frees, [(r, n) for r, (n, _) in self._grows.items()], self._admits,
+                      self._forks)
         self._before = {r: held for r, (_, held) in self._grows.items()}
-        self._commits, self._frees, self._grows, self._admits = [], [], {}, []
+        self._commits, self._frees, self._grows, self._admits, self._forks = [], [], {}, [], []
         return step
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies granted so far: the next plan's executor makes them before its forward."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def apply(self, grant: KVGrant) -> None:
         for request_id in grant.refused:
@@ -92,6 +113,9 @@ class KVLedger:
         for request_id, table in grant.tables.items():
             self.tables[request_id] = table
             self.held[request_id] = len(table)
+            if request_id in self._before:
+                self._cow.discard(request_id)  # it grew: any copy it needed is made
+        self._copies.extend(grant.copies)
         for request_id, got in grant.admitted.items():
             if not got.num_new_tokens:
                 self.held.pop(request_id, None)

@@ -39,6 +39,7 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (params.logprobs set)
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token, once, with the first output
+    index: int = 0  # the choice (n > 1): each choice's outputs end with its own final one
 
 
 Kind = Literal["prefill", "decode", "padding"]
@@ -139,6 +140,9 @@ class PlanItem(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int = -1  # top-k alternatives wanted with the sampled token's logprob (-1: none)
     prompt_logprobs: int = -1  # the same for the prompt targets below
     prompt_targets: list[int] = []  # prompt ids at start_pos + 1 ..: the logits of this item's rows score them
+    # n > 1: the group's other choices, sampled from this item's row once its prompt is prefilled,
+    # each with its own (request id, generator, grammar matcher) and its own token in the result
+    forks: list[tuple[str, Any, Any]] = []
 
 
 class Penalties(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,6 +162,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's admissions
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
+    block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward (copy-on-write)
 
     @property
     def num_tokens(self) -> int:

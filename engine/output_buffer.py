@@ -20,6 +20,11 @@ output's. So:
   have read had it kept up, only in fewer, larger deltas, and the final output still comes
   last, exactly once.
 
+A request with n > 1 choices has one buffer for all of them: outputs carry their choice's
+`index`, a delta is only ever merged into an earlier output of the same choice, and the
+request ends once every choice has put its final output (`has_final`) — at most
+`max_pending + num_choices` outputs wait then.
+
 `num_coalesced` and `high_water` are kept for tests and observation. `on_final` is called once,
 when the final output is taken — or, once the reader `abandon`s the request (it aborted), as
 soon as the final output is put: the engine then forgets the request, however it was read.
@@ -48,14 +53,19 @@ def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
 
 
 class OutputBuffer:
-    """Single producer (the scheduler, `put_nowait`), single reader (`get`)."""
+    """Single producer (the scheduler, `put_nowait`), single reader (`get`, until `is_done`)."""
 
-    def __init__(self, max_pending: int = MAX_PENDING_OUTPUTS, on_final: Callable[[], None] | None = None):
+    def __init__(self, max_pending: int = MAX_PENDING_OUTPUTS, on_final: Callable[[], None] | None = None,
+                 num_choices: int = 1):
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
+        if num_choices < 1:
+            raise ValueError("num_choices must be >= 1")
         self.max_pending = max_pending
         self.on_final = on_final
-        self.has_final = False  # a final output was put (nothing may follow it)
+        self.num_choices = num_choices
+        self._ended: set[int] = set()  # choices whose final output was put (nothing of theirs may follow)
+        self._num_finals_taken = 0
         self._abandoned = False
         self._items: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future | None = None
@@ -71,21 +81,45 @@ class OutputBuffer:
     def empty(self) -> bool:
         return not self._items
 
+    @property
+    def has_final(self) -> bool:
+        """Every choice's final output was put (nothing may follow)."""
+        return len(self._ended) >= self.num_choices
+
+    @property
+    def is_done(self) -> bool:
+        """Every choice's final output was taken: the reader has read the whole request."""
+        return self._num_finals_taken >= self.num_choices
+
+    def open_choices(self) -> list[int]:
+        """Choices whose final output has not been put yet."""
+        return [i for i in range(self.num_choices) if i not in self._ended]
+
     def put_nowait(self, out: RequestOutput) -> None:
-        if self.has_final:
-            return  # the request already ended (e.g. failed by a dying engine): one end only
-        self.has_final = out.finished
+        if out.index in self._ended or self.has_final:
+            return  # the choice already ended (e.g. failed by a dying engine): one end only
+        if out.finished:
+            self._ended.add(out.index)
         items = self._items
-        if len(items) >= self.max_pending and not items[-1].finished:
-            items[-1] = merge(items[-1], out)
+        same = self._newest_of(out.index) if len(items) >= self.max_pending else None
+        if same is not None and not items[same].finished:
+            items[same] = merge(items[same], out)
             self.num_coalesced += 1
         else:
             items.append(out)
             self.high_water = max(self.high_water, len(items))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        if out.finished and self._abandoned:
+        if self.has_final and self._abandoned:
             self._fire()
+
+    def _newest_of(self, index: int) -> int | None:
+        """Position of the newest waiting output of choice `index`."""
+        items = self._items
+        for i in range(len(items) - 1, -1, -1):
+            if items[i].index == index:
+                return i
+        return None
 
     def abandon(self) -> None:
         """The reader aborted the request: forget it when it ends, whether or not its final
@@ -110,7 +144,9 @@ class OutputBuffer:
 
     def _taken(self, out: RequestOutput) -> RequestOutput:
         if out.finished:
-            self._fire()
+            self._num_finals_taken += 1
+            if self.is_done:
+                self._fire()
         return out
 
     def _fire(self) -> None:

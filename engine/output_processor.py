@@ -40,7 +40,8 @@ class OutputProcessor:
                 req.pending_logprobs.append(result.logprobs[request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
-                self.num_prompt_tokens += req.num_prompt_tokens
+                if req.index == 0:  # n > 1: the prompt is prefilled once, for choice 0
+                    self.num_prompt_tokens += req.num_prompt_tokens
                 ttft.append(now - req.arrival_time)
             else:
                 itl.append(now - req.last_token_time)
@@ -67,7 +68,7 @@ def emit(req: Request, new_tokens: list[int], final: bool) -> None:
         prompt_logprobs = [TokenLogprob(req.prompt_token_ids[0], None), *req.prompt_logprobs]
         req.prompt_logprobs_sent, req.prompt_logprobs = True, []
     req.outputs.put_nowait(RequestOutput(
-        request_id=req.request_id, text=text, token_ids=new_tokens, finished=final,
+        request_id=req.group_id, index=req.index, text=text, token_ids=new_tokens, finished=final,
         finish_reason=req.finish_reason if final else None, num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens,
         error=req.error if final else None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -21,6 +21,8 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
     fields.update(temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator)
     if req.grammar is not None:
         fields["grammar"] = req.grammar  # structured output: masked and advanced by the executor
+    if req.pending_forks:  # n > 1: the other choices' first tokens come from this row
+        fields["forks"] = [(c.request_id, c.generator, c.grammar) for c in req.pending_forks]
     if p.min_p > 0.0:
         fields["min_p"] = float(p.min_p)
     if p.has_penalties:

@@ -27,7 +27,8 @@ class PlanView:
 
     @property
     def num_running(self) -> int:
-        return len(self._s.running)
+        """Sequences running, counting the choices still to fork from a running request (n > 1)."""
+        return sum(r.num_seqs for r in self._s.running)
 
     @property
     def preempted(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import time
 
@@ -12,6 +13,8 @@ from engine.detokenizer import Detokenizer
 from engine.errors import RequestError
 from engine.output_buffer import OutputBuffer
 from engine.structured.spec import StructuredOutput
+
+MAX_N = 16  # choices per request (SamplingParams.n); intake also bounds it by max_num_seqs
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,6 +27,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     priority: int = 0
+    n: int = 1  # choices sampled from the one prompt (prefilled once, its KV blocks shared)
     structured_output: StructuredOutput | None = None  # constrain the output to a JSON schema
     # Logits processing (engine/logits_processors.py), all neutral by default:
     presence_penalty: float = 0.0  # OpenAI: minus this once for every token generated so far
@@ -85,6 +89,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
@@ -92,6 +98,15 @@ MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (so it
+    samples what an n=1 request would), the others get distinct deterministic derivatives."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # [0, 2^63)
 
 
 class Status(enum.Enum):
@@ -102,7 +117,12 @@ class Status(enum.Enum):
 
 class Request:
     """Mutable scheduling state. Owned by the scheduler actor from the moment intake hands it
-    over; others see it only through published snapshots and RequestOutputs."""
+    over; others see it only through published snapshots and RequestOutputs.
+
+    A request with n > 1 is a group of n of these, one per choice, sharing one output buffer
+    (their outputs carry `index`). Choice 0 has the group's id and runs the prompt; the others
+    (`group_id#i`) wait in its `pending_forks` until its prefill samples their first tokens,
+    then run on their own from a fork of its KV blocks."""
 
     def __init__(
         self,
@@ -115,8 +135,13 @@ class Request:
         outputs: OutputBuffer | None = None,
         seed: int | None = None,
         grammar: object | None = None,
+        index: int = 0,
+        group_id: str | None = None,
     ):
         self.request_id = request_id
+        self.index = index  # the choice this request is (0 unless n > 1)
+        self.group_id = group_id or request_id  # the id its outputs carry
+        self.pending_forks: list[Request] = []  # choices to fork from this one once its prompt is prefilled
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
@@ -176,8 +201,13 @@ class Request:
         return eos | frozenset(self.params.stop_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.params.priority, self.arrival)
+    def num_seqs(self) -> int:
+        """Sequences it will run as (itself and the choices still to fork from it)."""
+        return 1 + len(self.pending_forks)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.params.priority, self.arrival, self.index)
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,13 @@ prefix hits, refusals) → the executor runs the plan → the output processor a
 sampled tokens → publish a StepRecord. When the pool is dry the scheduler preempts the
 running request with the lowest priority, newest first (recompute: its blocks are freed and
 it goes back to the waiting queue).
+
+n > 1: a request's choices are requests of their own (engine/request.py). Choice 0 prefills
+the prompt once; the step that samples its first token samples every choice's (one logits
+row, each choice's own generator), and the other choices then fork its KV blocks (shared by
+reference count; the block manager decides the copy-on-write of a partial last block, the
+plan carries the copies). From then on each choice is scheduled, preempted (recomputing only
+itself) and finished on its own; an abort of the group's id ends them all.
 """
 
 from __future__ import annotations
@@ -145,27 +152,33 @@ class Scheduler:
         match msg:
             case AddRequest(request):
                 self._num_adds_pending -= 1
-                if request.request_id in self.requests:
+                members = [request, *request.pending_forks]
+                if taken := [r.request_id for r in members if r.request_id in self.requests]:
                     # The engine refuses a live duplicate id before intake; this guards the maps.
-                    request.outputs.put_nowait(RequestOutput(
-                        request_id=request.request_id, text="", token_ids=[], finished=True, finish_reason="error",
-                        error=f"request id {request.request_id!r} is already in use",
-                    ))
+                    for r in members:
+                        request.outputs.put_nowait(RequestOutput(
+                            request_id=request.request_id, text="", token_ids=[], finished=True,
+                            finish_reason="error", error=f"request id {taken[0]!r} is already in use", index=r.index,
+                        ))
                     return True
-                self.requests[request.request_id] = request
+                for r in members:
+                    self.requests[r.request_id] = r  # the choices to fork wait outside the queues
                 self._enqueue(request)
             case AbortRequest(request_id):
                 # Intake puts AddRequest in this inbox before submit() returns the id, so an
                 # unknown id has already left (or never existed): nothing to do.
                 req = self.requests.get(request_id)
-                if req is None:
-                    pass
-                elif not req.is_finished:
-                    self._remove(req)
-                    self._finish(req, "abort")
-                elif self.policy.holds_finished(req):
-                    self.release(req)  # finished but held by static batching: let it go now
-                    self.policy.forget(req)
+                if req is None or req.params.n > 1:  # every choice of the group still here
+                    members = [r for r in self.requests.values() if r.group_id == request_id]
+                else:
+                    members = [req]
+                for req in members:
+                    if not req.is_finished:
+                        self._remove(req)
+                        self._finish(req, "abort")
+                    elif self.policy.holds_finished(req):
+                        self.release(req)  # finished but held by static batching: let it go now
+                        self.policy.forget(req)
             case Shutdown(reason):
                 self._fail_all(reason)
                 return False
@@ -207,7 +220,7 @@ class Scheduler:
         scheduled, first = req.scheduled_time, req.first_token_time
         self._finished.append(FinishedRequest(
             req.request_id, req.finish_reason or "abort", now - req.arrival_time,
-            req.num_prompt_tokens, len(req.output_token_ids),
+            req.num_prompt_tokens if req.index == 0 else 0, len(req.output_token_ids),  # n > 1: the prompt once
             queue_s=(scheduled if scheduled is not None else now) - req.arrival_time,
             prefill_s=first - scheduled if first is not None and scheduled is not None else 0.0,
             decode_s=now - first if first is not None else 0.0,
@@ -247,6 +260,10 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
+        forks, req.pending_forks = req.pending_forks, []
+        for child in forks:  # never forked (ended before its prompt was prefilled): they end with it
+            if not child.is_finished:
+                self._finish(child, reason, error)
         if reason not in ("abort", "error") and self.policy.holds_finished(req):
             emit(req, new_tokens or [], final=False)  # static batching: final output when the batch ends
             return
@@ -254,6 +271,8 @@ class Scheduler:
 
     def _fail_all(self, reason: str) -> None:
         for req in list(self.requests.values()):
+            if req.request_id not in self.requests:
+                continue  # a pending fork that ended with its group just now
             self._remove(req)
             if req.is_finished:
                 self.release(req)  # held by static batching
@@ -314,7 +333,7 @@ class Scheduler:
         cached, self._cached_this_step = self._cached_this_step, 0
         queried, self._queried_this_step = self._queried_this_step, 0
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
-                        num_prefix_queries=queried)
+                        num_prefix_queries=queried, block_copies=self.ledger.take_copies())
 
     def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
         if result.error is not None:
@@ -337,11 +356,27 @@ class Scheduler:
             req.num_computed_tokens += d.num_tokens
             commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
         self.ledger.commit(commits)
+        for d in decisions:
+            if d.request.pending_forks and d.request.request_id in result.sampled:
+                self._fork(d.request)
         stopped, ttft, itl = self.outputs.process(self.requests, result)
         for req, reason, token in stopped:
             self.running.remove(req)
             self._finish(req, reason, new_tokens=[token])
         return ttft, itl
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is prefilled and the step sampled every choice's first token:
+        the other choices start from its KV blocks, computed up to where it is."""
+        children, parent.pending_forks = parent.pending_forks, []
+        for child in children:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = Status.RUNNING
+            child.prompt_logprobs_sent = True  # the group's prompt logprobs go with choice 0's first output
+            self.running.append(child)
+            self.ledger.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+        self.policy.forked(parent, children)
 
     # --- publishing -------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """BlockPool, the pure KV-block logic: allocation, reference counts, prefix caching, LRU
-eviction — unit tests plus a hypothesis state machine that checks the invariants (and that
-every prefix-cache hit really holds the KV of the same prefix) after every operation."""
+eviction, forking with copy-on-write — unit tests plus a hypothesis state machine that checks
+the invariants (that every prefix-cache hit really holds the KV of the same prefix, and that
+nobody writes a block somebody else holds) after every operation."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def state(pool: BlockPool) -> dict:
     return copy.deepcopy({
         "ref": pool.ref_count, "free": list(pool.free_blocks), "evictable": list(pool.evictable),
         "hash": pool.block_hash, "cached": pool.cached, "tables": pool.tables, "hashed": pool.num_hashed,
-        "last": pool.last_hash, "queried": pool.num_queried_tokens, "hits": pool.num_hit_tokens,
+        "last": pool.last_hash, "queried": pool.num_queried_tokens, "hits": pool.num_hit_tokens, "cow": pool.cow,
     })
 
 
@@ -203,6 +204,63 @@ def test_hit_from_evictable_lru_and_refcount_back_to_owner():
     check(pool)
 
 
+# --- forking (n > 1) ---------------------------------------------------------------------------
+
+
+def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
+    pool = BlockPool(8, 4)
+    toks = list(range(10))  # 2 full blocks + 2 tokens in a third
+    pool.allocate("a", 10, toks)
+    pool.commit("a", toks, 10)
+    parent = list(pool.tables["a"])
+    pool.fork("a", "b", 10)
+    pool.fork("a", "c", 10)
+    assert pool.tables["b"] == pool.tables["c"] == parent
+    assert [pool.ref_count[x] for x in parent] == [3, 3, 3]
+    assert pool.num_free_blocks == 5  # a fork takes no block
+    check(pool)
+    # b's next token goes into the shared partial block: b gets a private copy of it
+    got = pool.allocate("b", 11)
+    assert got.copied == (parent[2], got.block_table[2]) and got.block_table[:2] == parent[:2]
+    assert got.block_table[2] not in parent and pool.ref_count[parent[2]] == 2
+    assert pool.allocate("b", 12).copied is None  # once only
+    # a grows past its blocks: a copy and a new block
+    got = pool.allocate("a", 13)
+    assert got.copied is not None and len(got.block_table) == 4 and pool.ref_count[parent[2]] == 1
+    # c is the last holder: it writes the original in place
+    got = pool.allocate("c", 11)
+    assert got.copied is None and got.block_table == parent
+    check(pool)
+    for rid in "abc":
+        pool.free(rid)
+    assert pool.num_free_blocks == 8 and all(r == 0 for r in pool.ref_count)
+    check(pool)
+
+
+def test_fork_on_a_block_boundary_copies_nothing():
+    pool = BlockPool(8, 4)
+    pool.allocate("a", 8)
+    pool.fork("a", "b", 8)
+    assert not pool.cow
+    assert pool.allocate("b", 9).copied is None and pool.allocate("a", 9).copied is None
+    assert pool.tables["a"][:2] == pool.tables["b"][:2] and pool.tables["a"][2] != pool.tables["b"][2]
+    check(pool)
+
+
+def test_a_copy_needs_a_free_block_or_the_growth_is_refused():
+    pool = BlockPool(3, 4)
+    pool.allocate("a", 6)
+    pool.fork("a", "b", 6)
+    pool.allocate("x", 4)  # the last free block
+    before = state(pool)
+    assert pool.needs_copy("b")
+    assert pool.allocate("b", 7) is None
+    assert state(pool) == before
+    pool.free("a")  # the partial block is b's alone now: written in place, no block needed
+    assert not pool.needs_copy("b") and pool.allocate("b", 7).copied is None
+    check(pool)
+
+
 # --- LRU eviction -----------------------------------------------------------------------------
 
 
@@ -277,7 +335,7 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS, BS)
-        self.reqs: dict[str, dict] = {}  # id -> {tokens, computed}
+        self.reqs: dict[str, dict] = {}  # id -> {tokens, computed, granted (tokens it may hold)}
         self.kv: dict[int, tuple] = {}  # slot -> prefix tuple whose last token's KV is stored there
         self.next_id = 0
 
@@ -298,7 +356,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert cached % BS == 0 and cached <= len(prompt) - 1
         for pos in range(cached):  # every hit slot holds the KV of exactly this prefix
             assert self.kv.get(self._slot(rid, pos)) == tuple(prompt[: pos + 1]), "prefix hit on wrong KV"
-        self.reqs[rid] = {"tokens": list(prompt), "computed": cached}
+        self.reqs[rid] = {"tokens": list(prompt), "computed": cached, "granted": max(cached, 1)}
         self._grow(rid, min(len(prompt), cached + 1 + extra))
 
     def _grow(self, rid: str, num_tokens: int) -> None:
@@ -308,8 +366,20 @@ class PoolMachine(RuleBasedStateMachine):
         if alloc is None:
             assert state(self.pool) == before, "a refused allocation changed the pool"
             return
+        if alloc.copied is not None:  # what the executor does before the step writes
+            src, dst = alloc.copied
+            src_i = old.index(src)
+            assert alloc.block_table[src_i] == dst
+            assert self.pool.ref_count[dst] == 1 and self.pool.ref_count[src] >= 1
+            old[src_i] = dst
+            for o in range(BS):
+                if src * BS + o in self.kv:
+                    self.kv[dst * BS + o] = self.kv[src * BS + o]
+                else:
+                    self.kv.pop(dst * BS + o, None)
         assert alloc.block_table[: len(old)] == old
         assert len(alloc.block_table) * BS >= num_tokens
+        self.reqs[rid]["granted"] = max(self.reqs[rid]["granted"], num_tokens)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -317,7 +387,7 @@ class PoolMachine(RuleBasedStateMachine):
         """A step: compute some of the owned-but-uncomputed tokens, write their KV, commit."""
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         req = self.reqs[rid]
-        capacity = min(len(self.pool.tables[rid]) * BS, len(req["tokens"]))
+        capacity = min(len(self.pool.tables[rid]) * BS, len(req["tokens"]), req["granted"])
         if capacity <= req["computed"]:
             return
         upto = data.draw(st.integers(req["computed"] + 1, capacity))
@@ -340,6 +410,22 @@ class PoolMachine(RuleBasedStateMachine):
             return
         req["tokens"].append(token)
         self._grow(rid, len(req["tokens"]))
+
+    @precondition(lambda self: any(r["computed"] == len(r["tokens"]) for r in self.reqs.values()))
+    @rule(data=st.data())
+    def fork(self, data):
+        """n > 1: a request whose tokens are all computed (its prompt just prefilled) forks a
+        choice. Neither writes again before a growth (which copies a shared partial block)."""
+        rid = data.draw(st.sampled_from(sorted(r for r, v in self.reqs.items() if v["computed"] == len(v["tokens"]))))
+        req = self.reqs[rid]
+        child = f"f{self.next_id}"
+        self.next_id += 1
+        before = [self.pool.ref_count[b] for b in self.pool.tables[rid]]
+        self.pool.fork(rid, child, req["computed"])
+        assert self.pool.tables[child] == self.pool.tables[rid][: self.pool.blocks_for(req["computed"])]
+        assert [self.pool.ref_count[b] for b in self.pool.tables[child]] == [r + 1 for r in before[: len(self.pool.tables[child])]]
+        req["granted"] = req["computed"]
+        self.reqs[child] = {"tokens": list(req["tokens"]), "computed": req["computed"], "granted": req["computed"]}
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())

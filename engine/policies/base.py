@@ -52,6 +52,10 @@ class Policy(Protocol):
         """After a step's results are applied (e.g. static releases a batch that is done)."""
         ...
 
+    def forked(self, request: Request, children: list[Request]) -> None:
+        """n > 1: `children` (other choices of `request`) start running from its prefilled prompt."""
+        ...
+
 
 class BasePolicy:
     """Defaults for the hooks most policies do not need."""
@@ -66,6 +70,9 @@ class BasePolicy:
         pass
 
     def end_step(self, view: PlanView) -> None:
+        pass
+
+    def forked(self, request: Request, children: list[Request]) -> None:
         pass
 
 
@@ -85,11 +92,13 @@ def admit_waiting(
     tokens as `chunk_size` and the remaining `budget` allow (None: no limit; then it is all or
     nothing: a whole prompt or not yet); `size(req, n)` may lower that further (e.g. to what a
     step-time budget allows). Stops at the first that does not fit, and after a preemption
-    this step (room just made goes to running requests, not newcomers). Returns the number of
-    tokens admitted."""
+    this step (room just made goes to running requests, not newcomers). A request with n > 1
+    choices counts as n sequences against `max_num_seqs`. Returns the number of tokens admitted."""
     total = 0
     while view.waiting and view.num_running < max_num_seqs and not view.preempted:
         req = view.waiting[0]
+        if view.num_running + req.num_seqs > max_num_seqs:
+            break
         n = req.num_tokens
         if chunk_size is not None:
             n = min(n, chunk_size)

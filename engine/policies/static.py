@@ -40,7 +40,7 @@ class StaticPolicy(BasePolicy):
         if not view.waiting:
             return Idle()
         waited = view.now() - view.waiting[0].arrival_time
-        if len(view.waiting) < self.max_num_seqs and waited < self.timeout_s:
+        if sum(r.num_seqs for r in view.waiting) < self.max_num_seqs and waited < self.timeout_s:
             return Idle(self.timeout_s - waited)
         decisions: list[Decision] = []
         admit_waiting(view, decisions, self.max_num_seqs)
@@ -49,6 +49,9 @@ class StaticPolicy(BasePolicy):
         for d in decisions:
             d.num_padding = longest - d.num_tokens
         return decisions or Idle()
+
+    def forked(self, request, children) -> None:
+        self.batch.extend(children)  # a group's choices sit in its batch
 
     def holds_finished(self, request) -> bool:
         return request in self.batch

@@ -4,14 +4,17 @@ xgrammar 0.2.9 turns a string with minLength / maxLength into characters `[^"\\\
 admits raw control characters (U+0000..U+001F) that JSON forbids inside strings: the tiny model
 wrote `"\x17..."` and `json.loads` refused it. The same bounds as a `pattern` that excludes
 them compile through xgrammar's regex path, which writes valid JSON strings. Like xgrammar's
-own rule, the pattern has no `"` or `\\` (so no escapes) in length-bounded strings.
+own rule, the pattern has no `"` or `\\` (so no escapes) in length-bounded strings. It also
+leaves out the UTF-16 surrogates U+D800..U+DFFF: xgrammar admits their 3-byte encodings, which
+are not valid UTF-8, so a byte-level model could write one "character" that decodes to three
+replacement characters and break maxLength (the tiny model did).
 """
 
 from __future__ import annotations
 
 # keywords whose values are data, not schemas: never rewritten
 _DATA_KEYWORDS = frozenset(["enum", "const", "default", "examples"])
-_SAFE_CHAR = r'[^"\\\x00-\x1f]'
+_SAFE_CHAR = r'[^"\\\x00-\x1f\ud800-\udfff]'
 
 
 def bounded_strings_as_patterns(schema: object) -> object:

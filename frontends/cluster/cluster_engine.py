@@ -88,6 +88,8 @@ class ClusterEngine:
             raise EngineDeadError(self.dead)
         params = params or SamplingParams()
         params.validate()
+        if params.n != 1:  # stream() relays one choice's outputs, to its first final one
+            raise RequestError("n > 1 is not supported through the cluster router", "n")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))

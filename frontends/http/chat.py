@@ -112,10 +112,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if tools.mode in ("forced", "auto") and logprobs is not None:
         raise ApiError(400, "logprobs are not supported together with tools (tool_choice other than 'none')",
                        param="logprobs")
-    render = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage,
-                          state.token_text if logprobs is not None else None)
-    if tools.mode == "forced":
-        render = ForcedCalls(render)
-    elif tools.mode == "auto":
-        render = HermesCalls(render)
-    return await generate(request, state, Job(prompt, messages, params, body.stream, body.include_usage), render)
+    base = ChatRenderer(state.new_id("chatcmpl"), state.clock(), state.model_name, body.include_usage,
+                        state.token_text if logprobs is not None else None)
+
+    def make(choice: int):  # one renderer per choice: the tool-call ones keep per-choice state
+        if tools.mode == "forced":
+            return ForcedCalls(base)
+        if tools.mode == "auto":
+            return HermesCalls(base)
+        return base
+
+    return await generate(request, state, [Job(prompt, messages, params, body.stream, body.include_usage)], make)

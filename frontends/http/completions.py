@@ -74,20 +74,25 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = decode(raw, CompletionRequest)
     check_refused(raw, "completions")
     check_model(state, body.model)
-    prompts = body.prompts()
-    if len(prompts) != 1:
-        raise ApiError(400, "a list of several prompts is not supported yet", param="prompt")
-    prompt = prompts[0]
+    prompts = body.prompts()  # a list: one engine request per prompt, n choices each
     max_tokens = body.resolved_max_tokens()
     echo_only = body.echo and max_tokens == 0
     if echo_only:
         max_tokens = 1  # the engine generates at least one token: it is dropped (as vLLM does)
     params = body.sampling_params(max_tokens, logprobs=body.logprobs,
                                   prompt_logprobs=body.logprobs if body.echo else None)
-    echo = None
+    if body.echo and params.n > 1:
+        raise ApiError(400, "echo is not supported with n > 1", param="echo")
+    echoes: list[str | None] = [None] * len(prompts)
     if body.echo:
         ensure_ready(state, params)  # the tokenizer is there
-        echo = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
-    render = CompletionRenderer(state.new_id("cmpl"), state.clock(), state.model_name, body.include_usage,
-                                state.token_text if body.logprobs is not None else None, echo, echo_only)
-    return await generate(request, state, Job(prompt, None, params, body.stream, body.include_usage), render)
+        echoes = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
+    response_id, created = state.new_id("cmpl"), state.clock()
+    tokens = state.token_text if body.logprobs is not None else None
+
+    def make(choice: int) -> CompletionRenderer:  # choice = prompt index x n + the prompt's choice
+        return CompletionRenderer(response_id, created, state.model_name, body.include_usage, tokens,
+                                  echoes[choice // params.n], echo_only)
+
+    jobs = [Job(p, None, params, body.stream, body.include_usage) for p in prompts]
+    return await generate(request, state, jobs, make)

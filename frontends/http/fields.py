@@ -20,7 +20,7 @@ from frontends.http.errors import ApiError
 Endpoint = Literal["completions", "chat"]
 
 # Both endpoints: OpenAI's sampling fields, and vLLM's extra sampling parameters.
-_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+_SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
              "presence_penalty", "frequency_penalty", "logit_bias",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority"}
 
@@ -43,7 +43,6 @@ class Refused(msgspec.Struct, frozen=True):
 
 # Known, being implemented on other branches: each a one-line change when it lands.
 PLANNED: dict[str, Refused] = {
-    "n": Refused("only n=1 is supported (n > 1 is not implemented yet)", (1,)),
     "guided_regex": Refused("guided decoding (guided_regex) is not supported yet"),
     "guided_choice": Refused("guided decoding (guided_choice) is not supported yet"),
     "guided_grammar": Refused("guided decoding (guided_grammar) is not supported yet"),

@@ -10,13 +10,19 @@ accepts it (`Engine.submit`).
 A stream's status line and SSE headers go out as soon as the engine accepted the request,
 before the first token (clients and proxies see the stream open during a long prefill); a
 failure after that is an SSE error event. Writing them is the one await between submit and
-the first iteration of `engine.stream`: a cancellation there aborts the request itself.
+the first iteration of the outputs: a cancellation there aborts the requests itself.
+
+Several choices (`n > 1`, or a completions `prompt` that is a list: one engine request per
+prompt) interleave: each output is rendered by its choice's own renderer and numbered
+(frontends/http/choices.py); whole, the outputs are gathered per choice. Usage counts each
+prompt once and sums the choices' completion tokens. One choice failing ends the response
+(an error; streamed, an error event) and aborts the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,10 +31,10 @@ import msgspec
 from aiohttp import web
 
 from engine import EngineDeadError, QueueFullError, RequestError, RequestOutput, SamplingParams
-from engine.output_buffer import merge
 from frontends.http import sse
+from frontends.http.choices import Choices, ManyChoices
 from frontends.http.errors import ApiError, from_engine, shutting_down
-from frontends.http.protocol import PromptTokensDetails, Usage
+from frontends.http.protocol import Usage
 from frontends.http.state import ServerState
 
 
@@ -42,6 +48,8 @@ class Job:
 
 
 class Renderer(Protocol):
+    """One choice's object shapes (numbered 0; ManyChoices renumbers them)."""
+
     id: str
 
     def opening(self) -> list[object]:
@@ -56,7 +64,7 @@ class Renderer(Protocol):
     def usage_chunk(self, usage: Usage) -> object: ...
 
     def whole(self, out: RequestOutput, usage: Usage) -> object:
-        """The response body; `out`: every output of the request merged into one."""
+        """The response body; `out`: every output of the choice merged into one."""
         ...
 
 
@@ -78,26 +86,80 @@ def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> No
                        headers={"Retry-After": "1"})
 
 
-async def generate(request: web.Request, state: ServerState, job: Job, render: Renderer) -> web.StreamResponse:
-    ensure_ready(state, job.params)
-    engine, request_id = state.engine, render.id
-    with state.live.track(request_id):
+async def generate(request: web.Request, state: ServerState, jobs: list[Job],
+                   make: Callable[[int], Renderer]) -> web.StreamResponse:
+    """Run `jobs` (one per prompt, the same params) as one response; `make(choice)` renders a choice."""
+    first = jobs[0]
+    ensure_ready(state, first.params)
+    try:
+        first.params.validate()  # here too, as its n sizes the response (the engine validates on submit)
+    except RequestError as e:
+        raise from_engine(e) from None
+    n = first.params.n
+    render = ManyChoices(make, len(jobs) * n)
+    ids = [render.id] if len(jobs) == 1 else [f"{render.id}-{i}" for i in range(len(jobs))]
+    with state.live.track(render.id):
+        await _submit(state, jobs, ids)
+        async with aclosing(_outputs(state, ids, n)) as outputs:
+            if first.stream:
+                return await _relay(request, state, outputs, render, first.include_usage, n, ids)
+            return await _collect(state, outputs, render, n)
+
+
+async def _submit(state: ServerState, jobs: list[Job], ids: list[str]) -> None:
+    """Submit every job, or none: a refusal or a cancellation aborts those already in."""
+    engine = state.engine
+    for k, (job, request_id) in enumerate(zip(jobs, ids)):
         try:
             await engine.submit(job.prompt, job.params, messages=job.messages, request_id=request_id)
         except asyncio.CancelledError:
-            await engine.abort(request_id)
+            await _abort(state, ids[: k + 1])
             raise
         except (RequestError, QueueFullError, EngineDeadError) as e:
+            await _abort(state, ids[:k])
             raise from_engine(e) from None
-        async with aclosing(engine.stream(request_id)) as outputs:
-            if job.stream:
-                return await _relay(request, state, outputs, render, job.include_usage)
-            return await _collect(state, outputs, render)
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    return Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_prompt_tokens + out.num_generated_tokens,
-                 PromptTokensDetails(out.num_cached_tokens))
+async def _abort(state: ServerState, ids: list[str]) -> None:
+    for request_id in ids:
+        await state.engine.abort(request_id)
+
+
+async def _outputs(state: ServerState, ids: list[str], n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice, output) of every request in `ids` as they come; closing it aborts what still runs."""
+    engine = state.engine
+    if len(ids) == 1:
+        async with aclosing(engine.stream(ids[0])) as outputs:
+            async for out in outputs:
+                yield out.index, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, request_id: str) -> None:
+        try:
+            async with aclosing(engine.stream(request_id)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((p * n + out.index, out))
+        except Exception as e:  # e.g. the engine died: the consumer raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    pumps = [asyncio.create_task(pump(p, request_id)) for p, request_id in enumerate(ids)]
+    try:
+        open_pumps = len(pumps)
+        while open_pumps:
+            item = await queue.get()
+            if item is None:
+                open_pumps -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()  # a pump still reading aborts its request as its stream closes
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
@@ -109,39 +171,42 @@ def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
     return ApiError(500, f"generation failed: {out.error}", code="engine_error")
 
 
-async def _collect(state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer) -> web.Response:
-    whole: RequestOutput | None = None
-    async for out in outputs:
-        whole = out if whole is None else merge(whole, out)
-        if out.finished:
-            if out.finish_reason in ("abort", "error"):
-                raise ended_early(state, out)
-            body = render.whole(whole, usage_of(out))
+async def _collect(state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]], render: ManyChoices,
+                   n: int) -> web.Response:
+    choices = Choices(len(render.renderers))
+    async for index, out in outputs:
+        if out.finished and out.finish_reason in ("abort", "error"):
+            raise ended_early(state, out)
+        choices.add(index, out)
+        if choices.done:
+            body = render.whole(choices.outputs, choices.usage(n))
             return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                                 headers={"X-Request-Id": render.id})
     raise ApiError(500, "the engine ended the request without a final output", code="engine_error")
 
 
-async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[RequestOutput], render: Renderer,
-                 include_usage: bool) -> web.StreamResponse:
+async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                 render: ManyChoices, include_usage: bool, n: int, ids: list[str]) -> web.StreamResponse:
     try:
         response = await sse.open_stream(request, {"X-Request-Id": render.id})
         for chunk in render.opening():
             await response.write(sse.frame(chunk))
     except BaseException:  # the client left (or a write failed) before `outputs` ever started
-        await state.engine.abort(render.id)
+        await _abort(state, ids)
         raise
+    choices = Choices(len(render.renderers))
     try:
-        async for out in outputs:
-            failed = out.finished and out.finish_reason in ("abort", "error")
-            if failed:
+        async for index, out in outputs:
+            if out.finished and out.finish_reason in ("abort", "error"):
                 await response.write(sse.frame(ended_early(state, out).body()))
                 break
-            chunks = render.delta(out)
-            for chunk in chunks if isinstance(chunks, list) else [] if chunks is None else [chunks]:
+            for chunk in render.delta(out, index):
                 await response.write(sse.frame(chunk))
-            if out.finished and include_usage:
-                await response.write(sse.frame(render.usage_chunk(usage_of(out))))
+            choices.add(index, out)
+            if choices.done:
+                if include_usage:
+                    await response.write(sse.frame(render.usage_chunk(choices.usage(n))))
+                break
         await response.write(sse.DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left while we wrote: the stream's cleanup aborts

@@ -58,6 +58,7 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     min_tokens: int | None = None
     user: str | None = None  # an end-user id for the caller's own records; no effect here
+    n: int | None = None  # choices per prompt (None: 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # OpenAI's structured output
@@ -96,6 +97,7 @@ class SamplingFields(Struct, kw_only=True):
             min_tokens=0 if self.min_tokens is None else self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            n=1 if self.n is None else self.n,
         )
 
     def structured_output(self) -> StructuredOutput | None:

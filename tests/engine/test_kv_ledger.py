@@ -84,3 +84,46 @@ def test_one_message_per_take():
     assert len(step.admits) == 2 and len(step.commits) == 1 and not ledger.has_changes
     manager.apply(step)
     assert manager.num_messages == 1
+
+
+def test_forks_share_blocks_and_the_grant_carries_the_copies():
+    """n = 3 choices of a 10-token prompt (block size 4): the forks take no block; the first
+    growth of each sharer of the partial last block copies it, except the last one's (it holds
+    the block alone by then); the ledger plans one block per possible copy (never too few)."""
+    manager, ledger = BlockManager(16, 4, enable_prefix_caching=True), KVLedger(16, 4)
+    prompt = list(range(3, 13))
+    ledger.admit("a", prompt, True, 10, 10)
+    settle(manager, ledger)
+    ledger.commit([("a", prompt, 10)])
+    ledger.fork("a", "a#1", 10)
+    ledger.fork("a", "a#2", 10)
+    grant = settle(manager, ledger)
+    assert grant.tables["a#1"] == grant.tables["a#2"] == ledger.tables["a"]
+    assert ledger.num_free_blocks == manager.figures.num_free_blocks == 16 - 3
+    assert not grant.copies
+    for rid in ("a#2", "a", "a#1"):
+        assert ledger.grow(rid, 11)
+    assert ledger.num_free_blocks == 16 - 3 - 3  # planned: a copy each
+    grant = settle(manager, ledger)
+    assert not grant.refused and len(grant.copies) == 2
+    src = {s for s, _ in grant.copies}
+    assert src == {ledger.tables["a#1"][2]}  # the last sharer kept the original
+    assert ledger.take_copies() == grant.copies and ledger.take_copies() == []
+    assert ledger.num_free_blocks == manager.figures.num_free_blocks == 16 - 5
+    assert len({t[2] for t in ledger.tables.values()}) == 3 and len({t[1] for t in ledger.tables.values()}) == 1
+    for rid in ("a", "a#1", "a#2"):
+        ledger.free(rid)
+    settle(manager, ledger)
+    assert ledger.num_free_blocks == manager.figures.num_free_blocks == 16
+
+
+def test_a_fork_freed_in_the_step_it_forks_is_gone():
+    manager, ledger = BlockManager(8, 4, enable_prefix_caching=False), KVLedger(8, 4)
+    ledger.admit("a", [5] * 6, False, 6, 6)
+    settle(manager, ledger)
+    ledger.fork("a", "a#1", 6)
+    ledger.free("a#1")  # ended on its first token
+    ledger.free("a")
+    grant = settle(manager, ledger)
+    assert "a#1" not in grant.tables and not ledger.tables and not ledger.held
+    assert manager.figures.num_free_blocks == 8

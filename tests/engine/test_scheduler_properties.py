@@ -1,6 +1,6 @@
 """Scheduler properties under random load (tiny model, hypothesis): random prompt lengths,
-max_tokens, late arrivals, aborts and KV pools small enough to force preemption, under all
-three policies. Checked:
+max_tokens, late arrivals, aborts, n > 1 choices (forked KV blocks, copy-on-write) and KV
+pools small enough to force preemption, under all three policies. Checked:
 
 - inside every step (a fault_hook that inspects the StepPlan in the worker thread): each
   item has blocks for all its positions, the slots written this step never collide, a block
@@ -9,8 +9,8 @@ three policies. Checked:
   steps stay within the token budget;
 - in the StepRecords: chunked never exceeds its budget, at most max_num_seqs requests run,
   padding only under static;
-- every request ends; the others with "length", exactly max_tokens tokens, equal to the
-  model's own greedy continuation (aborted ones: a prefix of it);
+- every request ends, each of its choices once; the others with "length", exactly max_tokens
+  tokens, equal to the model's own greedy continuation (aborted ones: a prefix of it);
 - afterwards: nothing running or waiting, every KV block free, BlockPool invariants hold.
 """
 
@@ -39,6 +39,7 @@ class Spec:
     max_tokens: int
     arrive_at_step: int  # submitted once the engine has run this many steps (or is idle)
     abort_after: int | None  # engine.abort after this many outputs (0: right after submit)
+    n: int = 1  # choices (capped at max_num_seqs)
 
 
 tokens = st.integers(3, 258)
@@ -56,6 +57,7 @@ def workloads(draw):
             max_tokens=draw(st.integers(1, MAX_TOKENS)),
             arrive_at_step=draw(st.sampled_from([0, 0, 0, 1, 3, 6, 12])),
             abort_after=draw(st.none() | st.none() | st.integers(0, 4)),
+            n=draw(st.sampled_from([1, 1, 1, 2, 3])),
         ))
     block_size = draw(st.sampled_from([2, 4, 8]))
     need = max(-(-(len(s.prompt) + s.max_tokens) // block_size) for s in specs)
@@ -64,6 +66,8 @@ def workloads(draw):
         block_size=block_size, num_blocks=num_blocks, max_num_seqs=draw(st.integers(1, 8)),
         max_num_batched_tokens=draw(st.integers(1, 48)), chunk_size=draw(st.integers(1, 24)),
     )
+    for spec in specs:
+        spec.n = min(spec.n, knobs["max_num_seqs"])
     return specs, knobs
 
 
@@ -151,7 +155,7 @@ async def scenario(tiny_model, policy: str, specs: list[Spec], knobs: dict, refe
         async def client(spec: Spec) -> Result:
             while engine.snapshot().step < spec.arrive_at_step and not idle():
                 await asyncio.sleep(0.001)
-            result = Result(await engine.submit(spec.prompt, greedy(spec.max_tokens)))
+            result = Result(await engine.submit(spec.prompt, greedy(spec.max_tokens, n=spec.n)))
             if spec.abort_after == 0:
                 await engine.abort(result.request_id)
             async for out in engine.stream(result.request_id):
@@ -168,21 +172,26 @@ async def scenario(tiny_model, policy: str, specs: list[Spec], knobs: dict, refe
 
     assert not checker.violations, "\n".join(checker.violations[:10])
     steps = [r for r in records if not r.is_idle]  # idle records only report aborts
-    assert steps and checker.num_steps == len(steps) == steps[-1].step
+    assert checker.num_steps == len(steps) and (not steps or steps[-1].step == len(steps))
+    assert steps or all(s.abort_after == 0 for s in specs)  # no step: everything was aborted at once
     for spec, r in zip(specs, results):
-        final = r.final
-        assert final.error is None
-        assert final.num_generated_tokens == len(r.token_ids)
-        assert r.token_ids == reference(spec.prompt)[: len(r.token_ids)], "tokens differ from the model's greedy text"
-        if spec.abort_after is None:
-            assert final.finish_reason == "length" and len(r.token_ids) == spec.max_tokens
-        else:
-            assert final.finish_reason in ("abort", "length")
-            if final.finish_reason == "length":
-                assert len(r.token_ids) == spec.max_tokens
+        ends = [o for o in r.outputs if o.finished]
+        assert sorted(o.index for o in ends) == list(range(spec.n)) and r.outputs[-1].finished
+        for final in ends:
+            tokens = [t for o in r.outputs if o.index == final.index for t in o.token_ids]
+            assert final.error is None
+            assert final.num_generated_tokens == len(tokens)
+            assert tokens == reference(spec.prompt)[: len(tokens)], "tokens differ from the model's greedy text"
+            if spec.abort_after is None:
+                assert final.finish_reason == "length" and len(tokens) == spec.max_tokens
+            else:
+                assert final.finish_reason in ("abort", "length")
+                if final.finish_reason == "length":
+                    assert len(tokens) == spec.max_tokens
     event(f"preempted: {bool(records and records[-1].num_preemptions)}")
     event(f"prefix hit: {any(r.final.num_cached_tokens for r in results)}")
     event(f"aborted: {any(r.final.finish_reason == 'abort' for r in results)}")
+    event(f"forked: {any(s.n > 1 for s in specs)}")
     event(f"mixed prefill+decode step: {any(r.num_prefill_tokens and r.num_decode_tokens for r in records)}")
     for rec in steps:
         real_items = [it for it in rec.items if it.kind != "padding"]

@@ -83,3 +83,20 @@ async def test_models_and_errors(server):
     with pytest.raises(openai.AuthenticationError):
         await wrong.models.list()
     await wrong.close()
+
+
+async def test_n_choices(server):
+    """n > 1 on the real model: greedy choices equal the n=1 text (the forked, copied partial
+    block holds the right KV: the prompt's length is not a multiple of the block size), seeded
+    choices differ, usage counts the prompt once."""
+    engine, client = server
+    prompt = "The three primary colors are"
+    one = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert one.usage.prompt_tokens % engine.config.cache.block_size != 0
+    two = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in two.choices] == [one.choices[0].text] * 2
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    three = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
+                                            seed=11, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2] and len({c.text for c in three.choices}) == 3

@@ -136,3 +136,34 @@ def test_length_bounded_strings_never_admit_control_characters(cache):
         logits = torch.zeros(1, VOCAB)
         constrain(logits, [m])
         assert allowed(logits[0]) == set(ids('"'))  # maxLength reached: only the closing quote
+
+
+def test_length_bounded_strings_never_admit_surrogates(cache):
+    """A surrogate's 3-byte encoding (ED A0..BF xx) is not UTF-8: it decodes to three
+    replacement characters, so admitting it would break maxLength; the pattern leaves it out."""
+    m = matcher(cache, {"type": "string", "maxLength": 2})
+    advance([m], ids('"'))
+    byte_ids = byte_token_ids()
+    assert m.accept_token(byte_ids[0xED])  # a lead byte of U+D000..U+DFFF
+    logits = torch.zeros(1, VOCAB)
+    constrain(logits, [m])
+    ok = allowed(logits[0])
+    assert byte_ids[0x9F] in ok  # U+D7C0..U+D7FF: fine
+    assert not {byte_ids[b] for b in range(0xA0, 0xC0)} & ok  # U+D800..U+DFFF: refused
+
+
+def byte_token_ids() -> dict[int, int]:
+    """The tiny tokenizer's token id of each single byte."""
+    tok = tiny_tokenizer()
+    return {b: tok.convert_tokens_to_ids(ch) for b, ch in _byte_chars().items()}
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable stand-in (the ByteLevel alphabet the tiny tokenizer uses)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
