@@ -21,6 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.sim.calibration import Calibration, load_steps, record_shape  # noqa: E402
+
 FIGURES = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p99")
 GOAL, LIMIT = 0.10, 0.15  # the issue's goal and bound on each figure's error
 
@@ -43,8 +47,8 @@ def main() -> None:
         for policy in args.policies.split(","):
             rows.append(compare(args, wl, policy, out / f"{wl}-{policy}"))
     print(f"\nload 1m now {os.getloadavg()[0]:.2f}; error = |sim - real| / real; goal {GOAL:.0%}, bound {LIMIT:.0%}\n")
-    print("| workload | policy | " + " | ".join(f"{f} real / sim / err" for f in FIGURES) + " |")
-    print("|---|---|" + "---:|" * len(FIGURES))
+    print("| workload | policy | " + " | ".join(f"{f} real / sim / err" for f in FIGURES) + " | step err p50 |")
+    print("|---|---|" + "---:|" * (len(FIGURES) + 1))
     worst = 0.0
     for r in rows:
         cells = []
@@ -52,7 +56,8 @@ def main() -> None:
             real, sim, err = r["real"].get(f), r["sim"].get(f), r["error"].get(f)
             worst = max(worst, err) if err is not None else worst
             cells.append("–" if err is None else f"{real:.0f} / {sim:.0f} / {err:.1%}")
-        print(f"| {r['workload']} | {r['policy']} | " + " | ".join(cells) + " |")
+        step = "–" if r["step_error_p50"] is None else f"{r['step_error_p50']:.1%}"
+        print(f"| {r['workload']} | {r['policy']} | " + " | ".join(cells) + f" | {step} |")
     print(f"\nworst error {worst:.1%} ({'within' if worst <= LIMIT else 'OVER'} the {LIMIT:.0%} bound)")
     (out / "accuracy.json").write_text(json.dumps(rows, indent=2))
 
@@ -62,9 +67,10 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
     common = ["--config", args.config, *sum((["--set", s] for s in args.set), [])]
     sizing = (["--num-requests", str(args.num_requests)] if args.num_requests else [])
     rate = ["--rate", str(args.rate)] if args.rate and not workload.startswith("spike") else []
-    trace, real_dir, sim_dir = d / "trace.jsonl", d / "real", d / "sim"
+    trace, steps, real_dir, sim_dir = d / "trace.jsonl", d / "steps.jsonl", d / "real", d / "sim"
     subprocess.run([sys.executable, "-m", "engine.bench.cli", *common, "--workload", workload, "--policies", policy,
-                    *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace)], check=True)
+                    *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace),
+                    "--save-steps", str(steps)], check=True)
     subprocess.run([sys.executable, "-m", "engine.sim.cli", "run", *common, "--set", f"policy={policy}",
                     "--calibration", args.calibration, "--trace", str(trace), "--no-plots", "--out", str(sim_dir)],
                    check=True)
@@ -75,7 +81,16 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
         a, b = real.get(f), sim.get(f)
         error[f] = abs(b - a) / a if a and b is not None and math.isfinite(a) and math.isfinite(b) else None
     return {"workload": workload, "policy": policy, "real": {f: real.get(f) for f in FIGURES},
-            "sim": {f: sim.get(f) for f in FIGURES}, "error": error}
+            "sim": {f: sim.get(f) for f in FIGURES}, "error": error,
+            "step_error_p50": step_error(Calibration.load(args.calibration), load_steps(steps))}
+
+
+def step_error(cal: Calibration, records: list) -> float | None:
+    """Median |calibrated - measured| / measured forward time over the real run's steps: how much
+    of a figure's error is the cost model's, rather than the simulation's."""
+    errors = sorted(abs(cal.forward_s(record_shape(r)) - r.forward_s) / r.forward_s
+                    for r in records if not r.is_idle and r.error is None and r.forward_s > 0)
+    return errors[len(errors) // 2] if errors else None
 
 
 if __name__ == "__main__":

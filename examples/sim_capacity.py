@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--num-prefixes", type=int, default=16)
     p.add_argument("--prefix-tokens", type=int, default=400)
     p.add_argument("--step-budgets", default="250,500,1000,2000", help="max_step_ms values tried for the ITL SLO")
+    p.add_argument("--abs-thresholds", default="", metavar="N,N,...",
+                   help="also prefix-affinity with each of these [cluster] balance_abs_threshold values")
     p.add_argument("--out", default="sim-capacity")
     args = p.parse_args()
     cal = Calibration.load(args.calibration)
@@ -66,9 +68,12 @@ def main() -> None:
     print(f"max_step_ms -> 1-replica goodput: {budgets}; chosen {chosen}")
     replicas = [int(n) for n in args.replicas.split(",")]
     curves = {}
-    for router in args.routers.split(","):
-        curves[router] = [rate_for(config, n, router) for n in replicas]
-        print(f"{router}: " + ", ".join(f"{n}: {r:.2f}" for n, r in zip(replicas, curves[router])))
+    runs = [(router, config, router) for router in args.routers.split(",")]
+    runs += [(f"prefix-affinity, abs threshold {t}", config.with_overrides(replicas=1, balance_abs_threshold=int(t)),
+              "prefix-affinity") for t in args.abs_thresholds.split(",") if t]
+    for label, cfg, router in runs:
+        curves[label] = [rate_for(cfg, n, router) for n in replicas]
+        print(f"{label}: " + ", ".join(f"{n}: {r:.2f}" for n, r in zip(replicas, curves[label])), flush=True)
     summary = {"calibration": {"model": cal.model, "dtype": cal.dtype, "cpu": cal.cpu}, "slo_ms": [args.slo_ttft_ms, args.slo_itl_ms],
                "duration_s": args.duration_s, "prefixes": [args.num_prefixes, args.prefix_tokens],
                "max_step_ms_goodput": budgets, "chosen_max_step_ms": chosen, "replicas": replicas,

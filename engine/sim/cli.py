@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--slo-ttft-ms", type=float)
     r.add_argument("--slo-itl-ms", type=float)
     r.add_argument("--goodput", action="store_true",
-                   help=f"find the highest rate at which >= {goodput.TARGET:.0%} of requests meet both SLOs (bisection)")
+                   help=f"find the highest rate at which >= {goodput.TARGET * 100:.0f}%% of requests meet both SLOs (bisection)")
     r.add_argument("--goodput-start", type=float, default=1.0, help="the first rate the goodput search tries")
     r.add_argument("--save-steps", metavar="PATH", help="write replica 0's StepRecords as JSONL (one run, not a sweep)")
     r.add_argument("--out", default="sim-out")

@@ -63,3 +63,12 @@ def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
     with pytest.raises(SystemExit, match=why):
         cli.main(["run", *COMMON, "--calibration", str(tmp_path / "cal.json"), "--out", str(tmp_path), *args])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["calibrate", "--help"]], ids=" ".join)
+def test_help_is_printed(argv, capsys):
+    """argparse formats help strings with %: a stray one only fails when --help is asked for."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    assert "usage: " in capsys.readouterr().out
