@@ -46,7 +46,14 @@ class Replicas:
         if ray.is_initialized():
             return False
         if cluster.ray_address:
-            ray.init(address=cluster.ray_address)
+            try:
+                ray.init(address=cluster.ray_address)
+            except ConnectionError as e:
+                raise ConnectionError(
+                    f"could not join the Ray cluster at {cluster.ray_address!r}: {e}. A cluster started with "
+                    "`ray start --head` uses Ray's token authentication: set RAY_AUTH_MODE=token and make the "
+                    "token available (~/.ray/auth_token or RAY_AUTH_TOKEN), or use --ray-address auto on a node "
+                    "of the cluster") from e
             return False
         num_cpus = cluster.ray_num_cpus or math.ceil(cluster.replicas * cluster.replica_cpus)
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
