@@ -41,13 +41,17 @@ class QuantLinear:
         self.dense = dense  # None: every step runs the kernel
         self.max_rows = max_rows
         self.isa = isa or quant_kernel.best_isa()
-        self.kind = "gguf-q8" if int8_activations else "gguf"
-        self._matmul = quant_kernel.matmul_q8 if int8_activations else quant_kernel.matmul
+        self.int8_activations = int8_activations  # kernel steps: quant_kernel.matmul_q8, else matmul
+
+    @property
+    def kind(self) -> str:
+        return "gguf-q8" if self.int8_activations else "gguf"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.dense is not None and x.shape[0] > self.max_rows:
             return self.dense(x)
-        y = self._matmul(x, self.blocks, self.qtype, self.isa)
+        matmul = quant_kernel.matmul_q8 if self.int8_activations else quant_kernel.matmul
+        y = matmul(x, self.blocks, self.qtype, self.isa)
         return y if self.bias is None else y.add_(self.bias)
 
 
