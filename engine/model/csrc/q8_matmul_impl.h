@@ -16,17 +16,17 @@ struct Codes {
 };
 using Acc = vf;  // 8 partial sums; their total is taken once, at the end
 
-inline Codes x_codes(const int8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+STEPWISE_INLINE Codes x_codes(const int8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 
 // 16 bytes of nibbles -> 32 bytes in weight order (low halves are weights 0..15, high 16..31).
-inline __m256i nibbles(const uint8_t* p) {
+STEPWISE_INLINE __m256i nibbles(const uint8_t* p) {
   const __m128i q = _mm_loadu_si128((const __m128i*)p);
   const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
   return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
 template <int QT>
-inline Codes w_codes(const uint8_t* b) {
+STEPWISE_INLINE Codes w_codes(const uint8_t* b) {
   if constexpr (QT == Q8_0) return {_mm256_loadu_si256((const __m256i*)(b + 2))};
   if constexpr (QT == Q4_0) return {_mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8))};
   return {nibbles(b + 4)};
@@ -34,12 +34,12 @@ inline Codes w_codes(const uint8_t* b) {
 
 // 8 int32 partial sums of u_j * s_j, u unsigned, s signed. maddubs adds pairs into int16 with
 // saturation, which is never reached: |u s| <= 128 * 127, so a pair stays within +-32512.
-inline __m256i dot_us(__m256i u, __m256i s) {
+STEPWISE_INLINE __m256i dot_us(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
 template <int QT>
-inline void madd_block(Acc& acc, const Codes& w, const Codes& x, float scale) {
+STEPWISE_INLINE void madd_block(Acc& acc, const Codes& w, const Codes& x, float scale) {
   // signed x signed: |w| (unsigned; |-128| = 128) times x carrying w's sign
   const __m256i sums = QT == Q4_1 ? dot_us(w.v, x.v)
                                   : dot_us(_mm256_sign_epi8(w.v, w.v), _mm256_sign_epi8(x.v, w.v));
@@ -77,20 +77,48 @@ inline float block_absmax(const float* x) {
   _mm256_storeu_ps(v, m);
   return *std::max_element(v, v + 8);
 }
+// The scales of 4 consecutive blocks, as fp32, so that one multiply makes 4 blocks' dx dw (and
+// Q4_1's 4 m s) instead of one fp16 conversion, multiply and broadcast per block.
+// Weight side: Q4_1 [d0 m0 d1 m1 d2 m2 d3 m3]; Q4_0 / Q8_0 [d0 d1 d2 d3 0 0 0 0].
+template <int QT>
+STEPWISE_INLINE __m256 w_scales4(const uint8_t* p) {
+  constexpr int64_t B = block_bytes(QT);
+  if constexpr (QT == Q4_1) {
+    int32_t h[4];
+    for (int k = 0; k < 4; ++k) std::memcpy(&h[k], p + k * B, 4);
+    return _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3]));
+  } else {
+    int16_t h[4];
+    for (int k = 0; k < 4; ++k) std::memcpy(&h[k], p + k * B, 2);
+    return _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0)), 0);
+  }
+}
+
+// x side, lane for lane: Q4_1 [dx0 sx0 dx1 sx1 dx2 sx2 dx3 sx3]; the others [dx0 dx1 dx2 dx3 0 0 0 0].
+template <int QT>
+STEPWISE_INLINE __m256 x_scales4(const float* d, const float* s) {
+  const __m128 dv = _mm_loadu_ps(d);
+  if constexpr (QT == Q4_1) {
+    const __m128 sv = _mm_loadu_ps(s);
+    return _mm256_set_m128(_mm_unpackhi_ps(dv, sv), _mm_unpacklo_ps(dv, sv));
+  } else {
+    return _mm256_insertf128_ps(_mm256_setzero_ps(), dv, 0);
+  }
+}
 #else
 struct Codes {
   int8_t v[32];
 };
 using Acc = float;
 
-inline Codes x_codes(const int8_t* p) {
+STEPWISE_INLINE Codes x_codes(const int8_t* p) {
   Codes c;
   std::memcpy(c.v, p, 32);
   return c;
 }
 
 template <int QT>
-inline Codes w_codes(const uint8_t* b) {
+STEPWISE_INLINE Codes w_codes(const uint8_t* b) {
   Codes c;
   if constexpr (QT == Q8_0) {
     std::memcpy(c.v, b + 2, 32);
@@ -103,7 +131,7 @@ inline Codes w_codes(const uint8_t* b) {
 }
 
 template <int QT>
-inline void madd_block(Acc& acc, const Codes& w, const Codes& x, float scale) {
+STEPWISE_INLINE void madd_block(Acc& acc, const Codes& w, const Codes& x, float scale) {
   int32_t sum = 0;
   for (int j = 0; j < 32; ++j) sum += int32_t(w.v[j]) * int32_t(x.v[j]);
   acc += float(sum) * scale;
@@ -141,18 +169,51 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // memory and prefetches the run PREFETCH_GROUPS tiles ahead, as direct() does: an int8 block
 // takes so few instructions that the hardware prefetcher alone falls behind (measured: the
 // Q8_0 LM head ran at half the fp32 kernel's speed without it).
+// Requests bytes [from, to) of the run at `ahead` (not past `end`), one cache line at a time.
+STEPWISE_INLINE void prefetch(const uint8_t* ahead, const uint8_t* end, int64_t from, int64_t to) {
+  for (int64_t off = from; off < to; off += 64)
+    if (ahead + off < end) __builtin_prefetch(ahead + off, 0, 0);
+}
+
 template <int QT, int MR, int NR>
-inline void q8_tile(const Q8Job& a, int64_t t, int64_t n) {
+STEPWISE_INLINE void q8_tile(const Q8Job& a, int64_t t, int64_t n) {
   Acc acc[MR][NR] = {};
   float mins[MR][NR] = {};  // Q4_1: sum over blocks of m * s
   const int64_t nb = a.K / 32;
   const int64_t span = NR * a.row_bytes;
   const uint8_t* ahead = a.blocks + n * a.row_bytes + PREFETCH_GROUPS * span;
   const uint8_t* end = a.blocks + a.N * a.row_bytes;
-  for (int64_t b = 0; b < nb; ++b) {
-    if (t == 0)
-      for (int64_t off = b * span / nb; off < (b + 1) * span / nb; off += 64)
-        if (ahead + off < end) __builtin_prefetch(ahead + off, 0, 0);
+  const bool first = t == 0;
+  int64_t b = 0;
+#if STEPWISE_SW == 8
+  vf min4[MR][NR] = {};  // Q4_1: m * s of 4 blocks at a time in the odd lanes (the even lanes are not used)
+  // one row of x only (decode): with more, the 4-block scales of every row cost registers the
+  // per-block loop below keeps (measured slower at 16 rows)
+  for (; MR == 1 && b + 4 <= nb; b += 4) {
+    if (first) prefetch(ahead, end, b * span / nb, (b + 4) * span / nb);
+    __m256 xs4[MR];
+    for (int i = 0; i < MR; ++i) xs4[i] = x_scales4<QT>(a.xd + (t + i) * nb + b, a.xs + (t + i) * nb + b);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* p = a.blocks + (n + j) * a.row_bytes + b * block_bytes(QT);
+      const __m256 ws4 = w_scales4<QT>(p);
+      alignas(32) float scale[MR][8];
+      for (int i = 0; i < MR; ++i) {
+        const __m256 prod = _mm256_mul_ps(ws4, xs4[i]);
+        _mm256_store_ps(scale[i], prod);
+        if constexpr (QT == Q4_1) min4[i][j] += (vf)prod;
+      }
+      for (int k = 0; k < 4; ++k) {
+        const Codes w = w_codes<QT>(p + k * block_bytes(QT));
+        for (int i = 0; i < MR; ++i) madd_block<QT>(acc[i][j], w, x_codes(a.xq + (t + i) * a.K + 32 * (b + k)), scale[i][QT == Q4_1 ? 2 * k : k]);
+      }
+    }
+  }
+  if constexpr (QT == Q4_1)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) mins[i][j] = min4[i][j][1] + min4[i][j][3] + min4[i][j][5] + min4[i][j][7];
+#endif
+  for (; b < nb; ++b) {  // every block (portable, or AVX2 with MR > 1), the last nb % 4 (AVX2, MR = 1)
+    if (first) prefetch(ahead, end, b * span / nb, (b + 1) * span / nb);
     Codes x[MR];
     for (int i = 0; i < MR; ++i) x[i] = x_codes(a.xq + (t + i) * a.K + 32 * b);
     for (int j = 0; j < NR; ++j) {

@@ -24,6 +24,9 @@
 
 namespace {
 
+// the int8 kernel's small helpers: GCC otherwise stops inlining them once the tile grows
+#define STEPWISE_INLINE inline __attribute__((always_inline))
+
 // ggml's type ids
 constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
