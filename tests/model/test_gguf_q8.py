@@ -31,8 +31,12 @@ def test_tiny_gguf_q8_runs_every_projection_on_int8_activations(tmp_path):
     assert float((got - want).norm() / want.norm()) < 0.05
 
 
-# Measured (AVX2 AMD EPYC, 32 tokens each): 4 of the 7 prompts agree on every token; the others
-# first differ at tokens 17 (raw-en-code), 3 (raw-zh) and 14 (raw-zh-story).
+# Greedy text under int8 activations is chaotic near ties: reordering the kernel's fp32 sums
+# moved raw-en from 30 to 5 agreeing tokens. Measured (AVX2 AMD EPYC, 1 thread, 32 tokens):
+# 4, then (final kernel) 3 of the 7 prompts agree on every token; 147 and 144 of 209 tokens lie
+# in agreeing prefixes. A prompt of more than 16 tokens prefills on the dense fp32 copy, so its
+# first token is transformers'; a broken kernel would agree on little after it. Hence: the first
+# token everywhere, and a quarter of all tokens, not a count of fully equal prompts.
 @pytest.mark.real_model
 def test_real_gguf_q8_greedy_stays_close_to_hf(real_model):
     q8 = LlamaModel(real_model.hf_model, TorchAttention(), gguf=real_model.gguf, weight_format="gguf-q8")
@@ -44,5 +48,5 @@ def test_real_gguf_q8_greedy_stays_close_to_hf(real_model):
         want = hf_greedy(real_model, prompt, GREEDY_TOKENS)
         got = up_to_eos(PagedRunner(q8, num_blocks=32).greedy(0, prompt, GREEDY_TOKENS), eos)
         agreed[name] = (next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)), len(want))
-    assert all(n >= 1 for n, _ in agreed.values()), agreed  # the first token always agrees
-    assert sum(n == total for n, total in agreed.values()) >= 3, agreed
+    assert all(n >= 1 for n, _ in agreed.values()), agreed
+    assert sum(n for n, _ in agreed.values()) >= 0.25 * sum(total for _, total in agreed.values()), agreed
