@@ -65,7 +65,8 @@ class LlamaModel:
         # GGUF blocks of the projections the native kernel runs, by id of the HF parameter (None: all dense)
         self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.embed.dtype, self.linear)
         # "auto" resolves to "gguf" or "dequantized"; "gguf-q8" quantizes the kernel's activations to int8
-        self.weight_format = "dequantized" if self._blocks is None else "gguf-q8" if weight_format == "gguf-q8" else "gguf"
+        native = "gguf-q8" if weight_format == "gguf-q8" else "gguf"
+        self.weight_format = "dequantized" if self._blocks is None else native
         self.lm_head = self._linear([hf_model.lm_head.weight], getattr(hf_model.lm_head, "bias", None), kind=head)  # E -> V
         self.final_norm = self._norm(inner.norm)
         self.layers = [self._take_layer(layer) for layer in inner.layers]

@@ -212,7 +212,8 @@ STEPWISE_INLINE void q8_tile(const Q8Job& a, int64_t t, int64_t n) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) mins[i][j] = min4[i][j][1] + min4[i][j][3] + min4[i][j][5] + min4[i][j][7];
 #endif
-  for (; b < nb; ++b) {  // every block (portable, or AVX2 with MR > 1), the last nb % 4 (AVX2, MR = 1)
+  // every block (portable, or AVX2 with MR > 1); the last nb % 4 (AVX2, MR = 1)
+  for (; b < nb; ++b) {
     if (first) prefetch(ahead, end, b * span / nb, (b + 1) * span / nb);
     Codes x[MR];
     for (int i = 0; i < MR; ++i) x[i] = x_codes(a.xq + (t + i) * a.K + 32 * b);
