@@ -204,7 +204,8 @@ STEPWISE_INLINE void q8_tile(const Q8Job& a, int64_t t, int64_t n) {
       }
       for (int k = 0; k < 4; ++k) {
         const Codes w = w_codes<QT>(p + k * block_bytes(QT));
-        for (int i = 0; i < MR; ++i) madd_block<QT>(acc[i][j], w, x_codes(a.xq + (t + i) * a.K + 32 * (b + k)), scale[i][QT == Q4_1 ? 2 * k : k]);
+        for (int i = 0; i < MR; ++i)
+          madd_block<QT>(acc[i][j], w, x_codes(a.xq + (t + i) * a.K + 32 * (b + k)), scale[i][QT == Q4_1 ? 2 * k : k]);
       }
     }
   }
