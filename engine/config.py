@@ -20,7 +20,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
 ROUTERS = ("prefix", "round-robin", "least-loaded")
-WEIGHT_FORMATS = ("auto", "dequantized", "gguf")
+WEIGHT_FORMATS = ("auto", "dequantized", "gguf", "gguf-q8")
 
 
 BUILTIN_MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-random": "tiny-random"}
@@ -53,8 +53,8 @@ class ModelConfig:
         _require(self.attention_backend in BACKENDS, "attention_backend", f"must be one of {BACKENDS}")
         _require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
         _require(self.weight_format in WEIGHT_FORMATS, "weight_format", f"must be one of {WEIGHT_FORMATS}")
-        _require(not (self.weight_format == "gguf" and self.linear_backend == "int8"), "weight_format",
-                 "'gguf' runs the GGUF blocks as stored; it cannot be combined with linear_backend 'int8'")
+        _require(not (self.weight_format in ("gguf", "gguf-q8") and self.linear_backend == "int8"), "weight_format",
+                 f"{self.weight_format!r} runs the GGUF blocks as stored; it cannot be combined with linear_backend 'int8'")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         _require(self.num_threads >= 0, "num_threads", "must be >= 0")
 

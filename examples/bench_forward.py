@@ -1,6 +1,6 @@
 """Forward-pass throughput of our paged Llama vs transformers, on the real model (CPU).
 
-    .venv/bin/python examples/bench_forward.py [--threads N] [--weight-format F] [--skip-hf]
+    .venv/bin/python examples/bench_forward.py [--threads N] [--weight-format F] [--rows 1,16] [--skip-hf]
 
 Prefill: one sequence of N tokens in one forward (ours: a fresh paged step; HF: a [1, N]
 forward with logits_to_keep=1 and its default DynamicCache).
@@ -11,9 +11,10 @@ every sequence's own blocks / batch row) and are not timed; a first, untimed ste
 that both sides give the same logits.
 
 Native GGUF weights (second table): steps of R decode rows (R sequences, 32-token contexts)
-with every projection on the GGUF block kernel, on the dense fp32 copy (oneDNN), and as
-weight_format "auto" chooses (the kernel up to NATIVE_MAX_ROWS rows): same model object, the
-per-projection row threshold set for each run.
+with every projection on the GGUF block kernel (fp32 activations, weight_format "gguf"), on
+the same kernel with int8 activations ("gguf-q8"), on the dense fp32 copy (oneDNN), and as the
+chosen weight_format runs them (the kernel up to NATIVE_MAX_ROWS rows): same model object, the
+per-projection row threshold and activation kind set for each run.
 
 Each number is the median of a few timed runs after warm-up. Not a test: numbers vary with
 the machine and with whatever else is running on it.
@@ -162,27 +163,32 @@ def bench_decode(loaded, ours: LlamaModel, batch: int, warmup: int, steps: int, 
     return batch / timed(ours_step, warmup, steps), batch / timed(hf_step, warmup, steps)
 
 
-def set_max_rows(model: LlamaModel, max_rows: int) -> None:
-    """Steps of up to max_rows rows run the block kernel, larger ones the dense copy."""
+def set_kernel_use(model: LlamaModel, max_rows: int, int8_activations: bool) -> None:
+    """Steps of up to max_rows rows run the block kernel (on int8 or fp32 activations), larger
+    ones the dense copy."""
     for p in [model.lm_head] + [getattr(w, f) for w in model.layers for f in ("qkv", "o", "gate_up", "down")]:
         if isinstance(p, QuantLinear):
-            p.max_rows = max_rows
+            p.max_rows, p.int8_activations = max_rows, int8_activations
 
 
 @torch.inference_mode()
 def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[str, float]:
-    """Decode steps of `rows` sequences: tok/s with kernel / dense / auto on the same weights."""
-    blocks_per_seq = (NATIVE_CONTEXT + 1 + warmup + 3 * steps + 3) // BLOCK + 1
+    """Decode steps of `rows` sequences: tok/s with kernel (fp32 / int8 activations), dense, and
+    the model's own weight_format on the same weights."""
+    blocks_per_seq = (NATIVE_CONTEXT + 1 + warmup + 5 * steps + 5) // BLOCK + 1
+    chosen = ours.weight_format == "gguf-q8"
+    runs = (("kernel", 1 << 30, False), ("kernel-q8", 1 << 30, True), ("dense", 0, False),
+            ("auto", NATIVE_MAX_ROWS, chosen))
     out = {}
-    for name, max_rows in (("kernel", 1 << 30), ("dense", 0), ("auto", NATIVE_MAX_ROWS)):
-        set_max_rows(ours, max_rows)
+    for name, max_rows, int8 in runs:
+        set_kernel_use(ours, max_rows, int8)
         paged = Paged(ours, num_blocks=rows * blocks_per_seq + 1)
         paged.step([(0, list(range(1000, 1000 + NATIVE_CONTEXT)))])
         for s in range(1, rows):
             paged.clone_context(0, s)
         out[name] = rows / timed(lambda: paged.step([(s, [1234]) for s in range(rows)]), warmup, steps)
         del paged
-    set_max_rows(ours, NATIVE_MAX_ROWS)
+    set_kernel_use(ours, NATIVE_MAX_ROWS, chosen)
     return out
 
 
@@ -193,7 +199,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median)")
     parser.add_argument("--attention", default=None, help="our attention backend (default: config.toml's)")
     parser.add_argument("--linear", default=None, help="our linear backend: auto, onednn, torch (default: config.toml's)")
-    parser.add_argument("--weight-format", default=None, help="auto, dequantized, gguf (default: config.toml's)")
+    parser.add_argument("--weight-format", default=None, help="auto, dequantized, gguf, gguf-q8 (default: config.toml's)")
+    parser.add_argument("--rows", default=",".join(map(str, NATIVE_ROWS)), help="decode rows per step, native table")
     parser.add_argument("--skip-hf", action="store_true", help="only the native GGUF table")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (with --threads 1, the compute time even on a loaded machine)")
@@ -218,14 +225,15 @@ def main() -> None:
 
     print(f"cpu: {cpu_info().describe()}; load 1m {os.getloadavg()[0]:.2f}; {args.clock} clock\n", flush=True)
 
-    if ours.weight_format == "gguf":
+    if ours.weight_format in ("gguf", "gguf-q8"):
         print(f"| decode rows per step (ctx {NATIVE_CONTEXT}) | dense fp32 tok/s | GGUF kernel tok/s | kernel/dense | "
-              f"auto (kernel <= {NATIVE_MAX_ROWS} rows) tok/s |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in NATIVE_ROWS:
+              f"kernel, int8 activations tok/s | int8/fp32 kernel | {ours.weight_format} (kernel <= {NATIVE_MAX_ROWS} "
+              f"rows) tok/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in (int(v) for v in args.rows.split(",")):
             t = bench_native(ours, r, warmup=2, steps=args.steps)
-            print(f"| {r} | {t['dense']:,.0f} | {t['kernel']:,.0f} | {t['kernel'] / t['dense']:.2f}x | {t['auto']:,.0f} |",
-                  flush=True)
+            print(f"| {r} | {t['dense']:,.0f} | {t['kernel']:,.0f} | {t['kernel'] / t['dense']:.2f}x | "
+                  f"{t['kernel-q8']:,.0f} | {t['kernel-q8'] / t['kernel']:.2f}x | {t['auto']:,.0f} |", flush=True)
         print()
     if args.skip_hf:
         print(f"total {time.perf_counter() - t0:.0f}s")

@@ -59,6 +59,7 @@ def test_keyword_overrides():
         ({"linear_backend": "blas"}, "linear_backend"),
         ({"weight_format": "q4"}, "weight_format"),
         ({"weight_format": "gguf", "linear_backend": "int8"}, "weight_format"),
+        ({"weight_format": "gguf-q8", "linear_backend": "int8"}, "weight_format"),
         ({"no_such_key": 1}, "no_such_key"),
         ({"router": "random"}, "router"),
         ({"replicas": -1}, "replicas"),

@@ -64,7 +64,9 @@ class LlamaModel:
         head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
         # GGUF blocks of the projections the native kernel runs, by id of the HF parameter (None: all dense)
         self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.embed.dtype, self.linear)
-        self.weight_format = "gguf" if self._blocks is not None else "dequantized"
+        # "auto" resolves to "gguf" or "dequantized"; "gguf-q8" quantizes the kernel's activations to int8
+        native = "gguf-q8" if weight_format == "gguf-q8" else "gguf"
+        self.weight_format = "dequantized" if self._blocks is None else native
         self.lm_head = self._linear([hf_model.lm_head.weight], getattr(hf_model.lm_head, "bias", None), kind=head)  # E -> V
         self.final_norm = self._norm(inner.norm)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
@@ -85,7 +87,7 @@ class LlamaModel:
         blocks = None if self._blocks is None else [self._blocks.get(id(w)) for w in weights]
         if blocks is None or None in blocks or len({b.qtype for b in blocks}) > 1:
             return dense
-        return QuantLinear(blocks, bias, dense)
+        return QuantLinear(blocks, bias, dense, int8_activations=self.weight_format == "gguf-q8")
 
     def _norm(self, module) -> RMSNorm:
         return RMSNorm(self._own(module.weight), self.shape.rms_eps, gemma=self.spec.gemma_norms)

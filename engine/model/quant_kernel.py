@@ -8,6 +8,11 @@ One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "
 `best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
 (the ISA-specific functions carry target pragmas; -march=native would make the portable path
 use instructions another CPU sharing the extensions directory lacks).
+
+`matmul_q8` (weight_format "gguf-q8") is the same product with x quantized to int8 per
+32-value block first, as llama.cpp does, then integer block dot products (AVX2 maddubs): fewer
+instructions per weight, slightly different numerics. It has a portable and an AVX2 body; the
+"avx512" path runs the AVX2 one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from engine.cpp_build import KernelLoader, build_extension
 from engine.cpu import cpu_info
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "quant_matmul.cpp", _CSRC / "quant_matmul_impl.h"]
+_SOURCES = [_CSRC / "quant_matmul.cpp", _CSRC / "quant_matmul_impl.h", _CSRC / "q8_matmul_impl.h"]
 
 # ggml type ids (gguf.GGMLQuantizationType) the kernel runs, with their block size in bytes
 KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -31,7 +36,7 @@ _ISA_FEATURES = {"portable": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", 
 
 
 def _build() -> None:
-    # torch rebuilds when the .cpp changes, not the header it includes: key the build by both
+    # torch rebuilds when the .cpp changes, not the headers it includes: key the build by all
     tag = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:8]
     build_extension("stepwise_gguf_matmul", [_SOURCES[0]], [(tag, ["-O3", "-ffp-contract=fast"])],
                     "GGUF matmul kernel")
@@ -83,3 +88,22 @@ def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torc
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
     _KERNEL.get().dequantize(blocks, type_id, k, _isa_id(isa), out)
     return out
+
+
+def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
+    """As matmul, with x quantized to int8 per 32-block inside the call (see quantize_q8)."""
+    type_id, nbytes = KERNEL_TYPES[qtype]
+    k = blocks.shape[1] // nbytes * BLOCK
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    _KERNEL.get().matmul_q8(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
+    return out
+
+
+def quantize_q8(x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [T, K] float32 -> codes [T, K] int8, scales d [T, K/32], d * sum(codes) [T, K/32]:
+    what matmul_q8 computes on; d = max|x| / 127 per block, codes = round(x / d)."""
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=torch.int8)
+    d, s = torch.empty(t, k // BLOCK), torch.empty(t, k // BLOCK)
+    _KERNEL.get().quantize_q8(x if x.stride(-1) == 1 else x.contiguous(), _isa_id(isa), q, d, s)
+    return q, d, s

@@ -5,6 +5,11 @@ A decode-heavy step reads each weight once and does little arithmetic per byte, 
 with many rows is compute-bound, where oneDNN's prepacked fp32 GEMM is faster than our kernel;
 above `max_rows` rows the dense copy runs. Both give the same products (dequantization is
 exact), so the choice changes only the order of fp32 additions, never greedy text.
+
+With `int8_activations` (weight_format "gguf-q8") the kernel steps quantize x to int8 per
+32-block and take integer block products (quant_kernel.matmul_q8), as llama.cpp does: faster
+at few rows, and the logits move by the activations' rounding, so greedy text may differ from
+transformers'. Steps above `max_rows` still run the dense fp32 copy.
 """
 
 from __future__ import annotations
@@ -25,10 +30,8 @@ NATIVE_MAX_ROWS = 16
 
 
 class QuantLinear:
-    kind = "gguf"
-
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, dense: Linear | None,
-                 max_rows: int = NATIVE_MAX_ROWS, isa: str | None = None):
+                 max_rows: int = NATIVE_MAX_ROWS, isa: str | None = None, int8_activations: bool = False):
         # parts: row blocks of one type, stacked in order (fused q/k/v, gate/up); bias: [N] or None
         if len({p.qtype for p in parts}) != 1:
             raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
@@ -38,18 +41,25 @@ class QuantLinear:
         self.dense = dense  # None: every step runs the kernel
         self.max_rows = max_rows
         self.isa = isa or quant_kernel.best_isa()
+        self.int8_activations = int8_activations  # kernel steps: quant_kernel.matmul_q8, else matmul
+
+    @property
+    def kind(self) -> str:
+        return "gguf-q8" if self.int8_activations else "gguf"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.dense is not None and x.shape[0] > self.max_rows:
             return self.dense(x)
-        y = quant_kernel.matmul(x, self.blocks, self.qtype, self.isa)
+        matmul = quant_kernel.matmul_q8 if self.int8_activations else quant_kernel.matmul
+        y = matmul(x, self.blocks, self.qtype, self.isa)
         return y if self.bias is None else y.add_(self.bias)
 
 
 def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torch.device, dtype: torch.dtype,
                    linear: str) -> dict[int, QuantWeight] | None:
     """The blocks of `hf_model`'s projections to run natively, keyed by id() of the parameter,
-    or None where weight_format (config.toml [model]) resolves to dequantized fp32."""
+    or None where weight_format (config.toml [model]) resolves to dequantized fp32. "gguf-q8"
+    takes the same blocks as "gguf" (the caller builds its QuantLinears with int8 activations)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {weight_format!r}; choose from {WEIGHT_FORMATS}")
     if weight_format == "dequantized":
@@ -58,17 +68,17 @@ def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torc
     if weight_format == "auto" and not (usable and quant_kernel.quant_kernel_available()):
         return None
     if gguf is None:
-        raise ValueError("weight_format 'gguf' needs a .gguf model (this one has no GGUF blocks); use 'auto' or 'dequantized'")
+        raise ValueError(f"weight_format {weight_format!r} needs a .gguf model (this one has no GGUF blocks); use 'auto' or 'dequantized'")
     if not usable:
-        raise ValueError(f"weight_format 'gguf' runs on CPU with float32 activations and a dense linear backend "
+        raise ValueError(f"weight_format {weight_format!r} runs on CPU with float32 activations and a dense linear backend "
                          f"(got {device.type}, {dtype}, linear_backend {linear!r})")
     quant_kernel.require_kernel()
     cfg = hf_model.config
     found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
     params = dict(hf_model.named_parameters(remove_duplicate=False))
-    if weight_format == "gguf":
+    if weight_format != "auto":
         for name, (gguf_name, qtype) in found.other.items():
             if name in params:
-                raise ValueError(f"weight_format 'gguf': tensor {gguf_name} is {qtype}, which the native kernel cannot "
+                raise ValueError(f"weight_format {weight_format!r}: tensor {gguf_name} is {qtype}, which the native kernel cannot "
                                  f"run (it runs {', '.join(quant_kernel.KERNEL_TYPES)}); use 'auto' to run it dequantized")
     return {id(params[name]): w for name, w in found.runnable.items() if name in params}

@@ -1,6 +1,7 @@
 // y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations
-// and fp32 accumulation, plus the dequantization itself. Built at first use by
-// engine/model/quant_kernel.py; registers torch.ops.stepwise_gguf.{matmul,dequantize}.
+// and fp32 accumulation, plus the dequantization itself; and the same product with x quantized
+// to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
+// registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}.
 //
 // One build serves every x86-64 CPU: the kernel body (quant_matmul_impl.h) is compiled three
 // times, for AVX-512, for AVX2+FMA (target pragmas, never -march=native) and portably (the
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -22,11 +24,15 @@
 
 namespace {
 
+// the int8 kernel's small helpers: GCC otherwise stops inlining them once the tile grows
+#define STEPWISE_INLINE inline __attribute__((always_inline))
+
 // ggml's type ids
 constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
 constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
 constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
+constexpr int Q8_GROUP = 16;  // q8_rows(): weight rows per group (also the threads' grain)
 
 constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
 
@@ -40,10 +46,24 @@ struct Job {
   int qtype;
 };
 
+// The int8-activation product: x already quantized (q8_matmul_impl.h), one row of codes per row of x.
+struct Q8Job {
+  const int8_t* xq;  // [T, K] codes
+  const float* xd;   // [T, K/32] block scales d
+  const float* xs;   // [T, K/32] d * sum(codes), for Q4_1's min term
+  int64_t T;
+  const uint8_t* blocks;
+  int64_t N, row_bytes, K;
+  float* out;
+  int64_t ldo;
+  int qtype;
+};
+
 namespace portable {
 constexpr int SW = 4;
 #define STEPWISE_SW 4
 #include "quant_matmul_impl.h"
+#include "q8_matmul_impl.h"
 #undef STEPWISE_SW
 }  // namespace portable
 
@@ -59,6 +79,7 @@ namespace avx2 {
 constexpr int SW = 8;
 #define STEPWISE_SW 8
 #include "quant_matmul_impl.h"
+#include "q8_matmul_impl.h"
 #undef STEPWISE_SW
 }  // namespace avx2
 #ifdef __clang__
@@ -138,6 +159,63 @@ void dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa,
   });
 }
 
+void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
+                  x.stride(1) == 1, "stepwise_gguf.", op, ": x must be float32 [T, K] with contiguous rows");
+}
+
+// x [T, K] rows quantized per 32-block into the caller's buffers (AVX-512 runs the AVX2 body).
+void quantize_rows(const float* x, int64_t ldx, int64_t T, int64_t K, int64_t isa, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  for (int64_t t = 0; t < T; ++t) {
+#ifdef STEPWISE_X86
+    if (isa >= 1) {
+      avx2::quantize_row(x + t * ldx, K, q + t * K, d + t * nb, s + t * nb);
+      continue;
+    }
+#endif
+    portable::quantize_row(x + t * ldx, K, q + t * K, d + t * nb, s + t * nb);
+  }
+}
+
+// x [T, K] float32 -> q [T, K] int8, d [T, K/32], s [T, K/32] float32 (all written, contiguous).
+void quantize_q8(const at::Tensor& x, int64_t isa, const at::Tensor& q, const at::Tensor& d, const at::Tensor& s) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "stepwise_gguf.quantize_q8: K = ", K, " is not a multiple of the block size 32");
+  check_x(x, K, "quantize_q8");
+  TORCH_CHECK(isa >= 0 && isa <= 2, "stepwise_gguf.quantize_q8: isa must be 0, 1 or 2");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.numel() == T * K && d.scalar_type() == at::kFloat &&
+                  d.is_contiguous() && d.numel() == T * K / 32 && s.scalar_type() == at::kFloat &&
+                  s.is_contiguous() && s.numel() == T * K / 32,
+              "stepwise_gguf.quantize_q8: q must be contiguous int8 [T, K], d and s float32 [T, K/32]");
+  quantize_rows(x.data_ptr<float>(), x.stride(0), T, K, isa, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<float>());
+}
+
+// As matmul, with x quantized to int8 per 32-block once per call, then integer block products.
+void matmul_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+  check_blocks(blocks, qtype, K, isa);
+  check_x(x, K, "matmul_q8");
+  const int64_t T = x.size(0), N = blocks.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == N &&
+                  out.stride(1) == 1, "stepwise_gguf.matmul_q8: out must be float32 [T, N] with contiguous rows");
+  if (T == 0 || N == 0) return;
+  std::vector<int8_t> xq(T * K);
+  std::vector<float> xd(T * K / 32), xs(T * K / 32);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), T, K, isa, xq.data(), xd.data(), xs.data());
+  const Q8Job job{xq.data(), xd.data(), xs.data(), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
+                  out.data_ptr<float>(), out.stride(0), int(qtype)};
+  const int64_t num_groups = (N + Q8_GROUP - 1) / Q8_GROUP;
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * Q8_GROUP, n1 = std::min(N, g1 * Q8_GROUP);
+#ifdef STEPWISE_X86
+    if (isa >= 1) return avx2::q8_matmul(job, n0, n1);
+#endif
+    portable::q8_matmul(job, n0, n1);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stepwise_gguf, m) {
@@ -145,4 +223,8 @@ TORCH_LIBRARY(stepwise_gguf, m) {
   m.def("dequantize(Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
   m.impl("matmul", c10::DispatchKey::CPU, TORCH_FN(matmul));
   m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
+  m.def("quantize_q8(Tensor x, int isa, Tensor(a!) q, Tensor(b!) d, Tensor(c!) s) -> ()");
+  m.def("matmul_q8(Tensor x, Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
+  m.impl("quantize_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_q8));
+  m.impl("matmul_q8", c10::DispatchKey::CPU, TORCH_FN(matmul_q8));
 }
