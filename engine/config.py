@@ -128,7 +128,7 @@ class ClusterConfig:
     router: str = "prefix"
     replica_cpus: float = 1.0  # Ray CPU share of one replica; its torch threads too, unless num_threads is set
     replica_gpus: float = 0.0
-    balance_abs_threshold: int = 64  # prefix router: leave the prefix's replica when its load exceeds
+    balance_abs_threshold: int = 8  # prefix router: leave the prefix's replica when its load exceeds
     balance_rel_threshold: float = 1.5  # the least-loaded one's by more than abs AND more than rel times
     max_prefix_entries: int = 65536  # prefix router: block hashes remembered (LRU)
     health_check_ms: int = 1000  # how often the ingress probes each replica

@@ -27,7 +27,7 @@ from engine.config import ROUTERS
 
 
 class Router:
-    def __init__(self, names: Sequence[str], policy: str = "prefix", *, abs_threshold: int = 64,
+    def __init__(self, names: Sequence[str], policy: str = "prefix", *, abs_threshold: int = 8,
                  rel_threshold: float = 1.5, max_prefix_entries: int = 65536):
         if policy not in ROUTERS:
             raise ValueError(f"router {policy!r}: must be one of {ROUTERS}")
