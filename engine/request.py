@@ -194,6 +194,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without building the whole list (a decode's one token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
     @property
     def stop_ids(self) -> frozenset[int]:
         """The token ids that end the request when sampled (masked while under min_tokens)."""
