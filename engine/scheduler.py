@@ -449,4 +449,4 @@ class Scheduler:
 
 def plan_shape(plan: StepPlan) -> StepShape:
     """What the cost model sees of a plan (pad tokens are computed too: they count)."""
-    return shape_of((len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items)
+    return shape_of([(len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items])

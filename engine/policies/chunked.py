@@ -34,8 +34,13 @@ class ChunkedPolicy(BasePolicy):
         decisions: list[Decision] = []
         budget = self.token_budget
         running = view.running_in_order()
-        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for r in running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
         granted = []  # (tokens, context, is a decode) of every decode granted, for the step's shape
         for req in decodes:
             if budget == 0:
