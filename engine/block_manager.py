@@ -33,7 +33,7 @@ class Admit(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVStep(msgspec.Struct, tag=True):
-    commits: list[tuple[str, list[int], int]]  # (request id, token ids, num computed)
+    commits: list[tuple[str, list[int], int]]  # (request id, token ids, num computed): blocks it filled
     frees: list[str]
     grows: list[tuple[str, int]]  # (request id, tokens to hold in all), most important first
     admits: list[Admit]
@@ -112,6 +112,9 @@ class BlockManager:
             tables.pop(request_id, None)
         dry = False  # once a growth needing blocks is refused, no less important one takes any
         for request_id, num_tokens in step.grows:
+            if pool.holds(request_id, num_tokens):  # granted as it is, dry or not
+                tables[request_id] = pool.tables[request_id]
+                continue
             table = pool.tables.get(request_id, [])
             needs = pool.blocks_for(num_tokens) > len(table) or pool.needs_copy(request_id)
             if dry and needs or (alloc := pool.allocate(request_id, num_tokens)) is None:

@@ -110,6 +110,12 @@ class BlockPool:
             table.append(self._take_fresh())
         return Allocation(list(table), len(hits) * self.block_size, copied)
 
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """It owns blocks for `num_tokens` tokens and writes none of them copy-on-write: growing
+        it to `num_tokens` changes nothing (most decodes, inside their last block)."""
+        table = self.tables.get(request_id)
+        return table is not None and request_id not in self.cow and self.blocks_for(num_tokens) <= len(table)
+
     def needs_copy(self, request_id: str) -> bool:
         """Its next growth takes a block for copy-on-write."""
         cow = self.cow.get(request_id)

@@ -18,24 +18,33 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
         fields["prompt_targets"] = req.prompt_token_ids[start + 1 : min(start + num_tokens + 1, req.num_prompt_tokens)]
     if not sample:
         return fields
-    fields.update(temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator)
-    if req.grammar is not None:
-        fields["grammar"] = req.grammar  # structured output: masked and advanced by the executor
+    if req.fixed_sampling is None:
+        req.fixed_sampling = _fixed_fields(req)
+    fields.update(req.fixed_sampling)
     if req.pending_forks:  # n > 1: the other choices' first tokens come from this row
         fields["forks"] = [(c.request_id, c.generator, c.grammar) for c in req.pending_forks]
-    if p.min_p > 0.0:
-        fields["min_p"] = float(p.min_p)
     if p.has_penalties:
         fields["penalties"] = Penalties(
             presence=float(p.presence_penalty), frequency=float(p.frequency_penalty),
             repetition=float(p.repetition_penalty), output_token_ids=list(req.output_token_ids),
             prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         )
-    bias = [(t, float(b)) for t, b in p.logit_bias.items()]
     if len(req.output_token_ids) < p.min_tokens:
-        bias += [(t, float("-inf")) for t in req.stop_ids]
-    if bias:
-        fields["logit_bias"] = bias
+        fields["logit_bias"] = fields.get("logit_bias", []) + [(t, float("-inf")) for t in req.stop_ids]
+    return fields
+
+
+def _fixed_fields(req: Request) -> dict:
+    """The fields of every item of `req` that samples which its progress does not change: made
+    once, at its first sampling step (the generator is made then, as it was made on first use)."""
+    p = req.params
+    fields: dict = dict(temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), generator=req.generator)
+    if req.grammar is not None:
+        fields["grammar"] = req.grammar  # structured output: masked and advanced by the executor
+    if p.min_p > 0.0:
+        fields["min_p"] = float(p.min_p)
+    if p.logit_bias:
+        fields["logit_bias"] = [(t, float(b)) for t, b in p.logit_bias.items()]
     if p.logprobs is not None:
         fields["logprobs"] = p.logprobs
     return fields

@@ -7,6 +7,7 @@ and the whole step's KV changes go to the block manager in one message after pla
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class PlanView:
         return self._s.cost.predict(shape)
 
     def running_in_order(self) -> list[Request]:
-        return sorted(self._s.running, key=lambda r: r.sort_key)
+        return sorted(self._s.running, key=attrgetter("sort_key"))
 
     def is_running(self, req: Request) -> bool:
         return self._s.is_running(req)

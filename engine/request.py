@@ -148,6 +148,7 @@ class Request:
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids or frozenset()  # any of them ends the request (unless ignore_eos)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
+        self.sort_key = (params.priority, arrival, index)  # the queues' order (all three never change)
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted
         self.first_token_time: float | None = None
@@ -169,6 +170,7 @@ class Request:
         self.prompt_logprobs: list = []  # [TokenLogprob]
         self.pending_logprobs: list = []  # [TokenLogprob]
         self.prompt_logprobs_sent = False
+        self.fixed_sampling: dict | None = None  # the PlanItem fields that never change (plan_sampling)
 
     @property
     def generator(self):
@@ -194,6 +196,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without building the whole list (a decode's one token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
     @property
     def stop_ids(self) -> frozenset[int]:
         """The token ids that end the request when sampled (masked while under min_tokens)."""
@@ -205,9 +216,6 @@ class Request:
         """Sequences it will run as (itself and the choices still to fork from it)."""
         return 1 + len(self.pending_forks)
 
-    @property
-    def sort_key(self) -> tuple[int, int, int]:
-        return (self.params.priority, self.arrival, self.index)
 
     @property
     def is_finished(self) -> bool:

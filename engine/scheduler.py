@@ -326,7 +326,7 @@ class Scheduler:
             sample = start + d.num_tokens == req.num_tokens
             kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
             items.append(PlanItem(
-                request_id=req.request_id, kind=kind, token_ids=req.all_token_ids[start : start + d.num_tokens] + pads,
+                request_id=req.request_id, kind=kind, token_ids=req.token_slice(start, start + d.num_tokens) + pads,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
                 **sampling_fields(req, start, d.num_tokens, sample),
             ))
@@ -349,12 +349,17 @@ class Scheduler:
             return [], []
         self.consecutive_failures = 0
         commits = []
+        block_size = self.ledger.block_size
         for d in decisions:
             req = d.request
             if d.num_tokens == 0 or req.status is not Status.RUNNING:
                 continue
+            before = req.num_computed_tokens
             req.num_computed_tokens += d.num_tokens
-            commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
+            # The pool hashes full blocks only, and every earlier one is hashed already (by an
+            # earlier commit, or found as a prefix hit): a step that filled none has no commit.
+            if req.num_computed_tokens // block_size > before // block_size:
+                commits.append((req.request_id, req.all_token_ids, req.num_computed_tokens))
         self.ledger.commit(commits)
         for d in decisions:
             if d.request.pending_forks and d.request.request_id in result.sampled:
@@ -444,4 +449,4 @@ class Scheduler:
 
 def plan_shape(plan: StepPlan) -> StepShape:
     """What the cost model sees of a plan (pad tokens are computed too: they count)."""
-    return shape_of((len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items)
+    return shape_of([(len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items])

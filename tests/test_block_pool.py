@@ -362,7 +362,11 @@ class PoolMachine(RuleBasedStateMachine):
     def _grow(self, rid: str, num_tokens: int) -> None:
         before = state(self.pool)
         old = list(self.pool.tables[rid])
+        holds = self.pool.holds(rid, num_tokens)
         alloc = self.pool.allocate(rid, num_tokens)
+        if holds:  # the block manager skips such a growth: it must be one that changes nothing
+            assert alloc is not None and alloc.copied is None and alloc.block_table == old
+            assert state(self.pool) == before
         if alloc is None:
             assert state(self.pool) == before, "a refused allocation changed the pool"
             return

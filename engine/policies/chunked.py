@@ -15,7 +15,7 @@ Two budgets, both honoured:
 from __future__ import annotations
 
 from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
-from engine.step_cost import StepShape
+from engine.step_cost import shape_of
 
 
 @register
@@ -34,16 +34,22 @@ class ChunkedPolicy(BasePolicy):
         decisions: list[Decision] = []
         budget = self.token_budget
         running = view.running_in_order()
-        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
-        shape = StepShape()
+        decodes, prefills = [], []
+        for r in running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
+        granted = []  # (tokens, context, is a decode) of every decode granted, for the step's shape
         for req in decodes:
             if budget == 0:
                 break
             if view.is_running(req) and view.grow(req, 1, decisions):
                 decisions.append(Decision(req, 1))
                 budget -= 1
-                shape = shape.plus(1, req.num_computed_tokens, decode=True)
+                granted.append((1, req.num_computed_tokens, True))
+        shape = shape_of(granted)  # what chained `plus` calls give, without a struct per decode
         timed = self.max_step_s > 0 and view.can_predict
         chunks = 0  # prefill pieces given this step
         full = False  # the time budget is used up: no later prompt gets a token (FCFS)
