@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--config", default="config.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default="sim-accuracy")
+    p.add_argument("--reuse-real", action="store_true",
+                   help="keep the real runs already in --out (trace, steps, results) and redo only the simulation")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,9 +70,10 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
     sizing = (["--num-requests", str(args.num_requests)] if args.num_requests else [])
     rate = ["--rate", str(args.rate)] if args.rate and not workload.startswith("spike") else []
     trace, steps, real_dir, sim_dir = d / "trace.jsonl", d / "steps.jsonl", d / "real", d / "sim"
-    subprocess.run([sys.executable, "-m", "engine.bench.cli", *common, "--workload", workload, "--policies", policy,
-                    *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace),
-                    "--save-steps", str(steps)], check=True)
+    if not (args.reuse_real and (real_dir / "results.json").exists() and trace.exists() and steps.exists()):
+        subprocess.run([sys.executable, "-m", "engine.bench.cli", *common, "--workload", workload, "--policies",
+                        policy, *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace),
+                        "--save-steps", str(steps)], check=True)
     subprocess.run([sys.executable, "-m", "engine.sim.cli", "run", *common, "--set", f"policy={policy}",
                     "--calibration", args.calibration, "--trace", str(trace), "--no-plots", "--out", str(sim_dir)],
                    check=True)

@@ -9,6 +9,11 @@ Two models over a step's composition (`engine.step_cost`'s terms):
 
 A simulated step lasts forward + overhead; the scheduler sees forward as its `forward_s`, as
 it would in the engine. Saved as JSON with the CPU, model name and dtype it was measured on.
+
+Two regimes: on the GGUF path a step of at most 16 rows (tokens) runs the block kernel and a
+larger one the dense fp32 GEMM (engine/model/quant_linear.py), so one line through both
+over-predicts small steps and under-predicts large ones. With `split_rows` the forward model is
+fitted twice, on the steps of at most that many rows (`small_forward`) and on the others.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from engine.messages import StepRecord
 from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
 
 OVERHEAD_NAMES = ("fixed", "sequence")
+SPLIT_ROWS = 16  # the GGUF path's kernel / dense switch (quant_linear.NATIVE_MAX_ROWS; not imported: no torch here)
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
-    forward: dict[str, float]  # seconds per unit of each step_cost term
+    forward: dict[str, float]  # seconds per unit of each step_cost term (with split_rows: larger steps)
+    small_forward: dict[str, float] | None = None  # steps of at most split_rows rows, fitted apart
+    split_rows: int | None = None
     overhead: dict[str, float]  # seconds: fixed + per sequence
     num_steps: int  # steps fitted
     forward_r2: float | None = None
@@ -37,15 +45,20 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     source: str = ""
 
     def __post_init__(self):
-        if set(self.forward) != set(NAMES):
-            raise ValueError(f"calibration forward terms must be {NAMES}, got {sorted(self.forward)}")
+        for terms in (self.forward, self.small_forward if self.small_forward is not None else self.forward):
+            if set(terms) != set(NAMES):
+                raise ValueError(f"calibration forward terms must be {NAMES}, got {sorted(terms)}")
+        if (self.small_forward is None) != (self.split_rows is None):
+            raise ValueError("calibration: small_forward and split_rows go together")
         if set(self.overhead) != set(OVERHEAD_NAMES):
             raise ValueError(f"calibration overhead terms must be {OVERHEAD_NAMES}, got {sorted(self.overhead)}")
-        if any(v < 0 for v in (*self.forward.values(), *self.overhead.values())):
+        if any(v < 0 for v in (*self.forward.values(), *(self.small_forward or {}).values(), *self.overhead.values())):
             raise ValueError("calibration coefficients must be >= 0")
 
     def forward_s(self, shape: StepShape) -> float:
         f = self.forward
+        if self.split_rows is not None and shape.prefill_tokens + shape.decode_tokens <= self.split_rows:
+            f = self.small_forward
         return (f["fixed"] + f["prefill_token"] * shape.prefill_tokens + f["decode_token"] * shape.decode_tokens
                 + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work)
 
@@ -76,20 +89,38 @@ def record_shape(rec: StepRecord) -> StepShape:
     return shape_of((n, pos, decode) for n, pos, decode, _ in items)
 
 
-def fit(records: list[StepRecord], **meta) -> Calibration:
+def fit(records: list[StepRecord], split_rows: int | None = SPLIT_ROWS, **meta) -> Calibration:
+    """`split_rows`: fit steps of at most that many rows apart (when each side has enough steps)."""
     steps = [r for r in records if not r.is_idle and r.error is None and r.forward_s > 0]
     if len(steps) < 2 * len(NAMES):
         raise ValueError(f"{len(steps)} usable steps: need at least {2 * len(NAMES)} to fit a calibration")
     shapes = [record_shape(r) for r in steps]
-    model = StepCostModel(window=len(steps), refit_every=len(steps) + 1)  # one fit, over all of them
-    for shape, r in zip(shapes, steps):
-        model.observe(shape, r.forward_s)
+    times = [r.forward_s for r in steps]
+    small = [split_rows is not None and s.prefill_tokens + s.decode_tokens <= split_rows for s in shapes]
+    if min(sum(small), len(small) - sum(small)) < 2 * len(NAMES):
+        split_rows, small = None, [False] * len(steps)
+    big, _ = _fit_forward([s for s, k in zip(shapes, small) if not k], [t for t, k in zip(times, small) if not k])
+    little = _fit_forward([s for s, k in zip(shapes, small) if k], [t for t, k in zip(times, small) if k])[0] \
+        if split_rows is not None else None
+    cal = Calibration(forward=big, small_forward=little, split_rows=split_rows, overhead=_fit_overhead(steps, shapes),
+                      num_steps=len(steps), **meta)
+    errors = sorted(abs(cal.forward_s(s) - t) / t for s, t in zip(shapes, times))
+    r2 = _r2([cal.forward_s(s) for s in shapes], times)
+    return msgspec.structs.replace(cal, forward_r2=r2, forward_error_p50=errors[len(errors) // 2])
+
+
+def _fit_forward(shapes: list[StepShape], times: list[float]) -> tuple[dict[str, float], float | None]:
+    model = StepCostModel(window=len(shapes), refit_every=len(shapes) + 1)  # one fit, over all of them
+    for shape, t in zip(shapes, times):
+        model.observe(shape, t)
     model.fit()
-    errors = sorted(abs(model.predict(s) - r.forward_s) / r.forward_s for s, r in zip(shapes, steps))
-    return Calibration(
-        forward=dict(zip(NAMES, map(float, model.coef))), overhead=_fit_overhead(steps, shapes), num_steps=len(steps),
-        forward_r2=model.r2, forward_error_p50=errors[len(errors) // 2], **meta,
-    )
+    return dict(zip(NAMES, map(float, model.coef))), model.r2
+
+
+def _r2(predicted: list[float], actual: list[float]) -> float:
+    y, p = np.asarray(actual), np.asarray(predicted)
+    total = float(((y - y.mean()) ** 2).sum())
+    return 1.0 - float(((y - p) ** 2).sum()) / total if total > 0 else 1.0
 
 
 def _fit_overhead(steps: list[StepRecord], shapes: list[StepShape]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.bench import report, workload
 from engine.config import EngineConfig, parse_value
 from engine.sim import goodput, trace as traces
-from engine.sim.calibration import Calibration, fit, load_steps
+from engine.sim.calibration import SPLIT_ROWS, Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
 
 SIM_KEYS = ("replicas", "router")  # swept like config keys, but they shape the cluster, not an engine
@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--model", help="the model name to record (default: the config's)")
     c.add_argument("--dtype", help="the dtype to record (default: the config's)")
     c.add_argument("--max-model-len", type=int, help="the model's context (--run: read from the model)")
+    c.add_argument("--split-rows", type=int, default=SPLIT_ROWS,
+                   help="fit steps of at most this many rows apart (the GGUF kernel / dense switch); 0 = one model")
     c.add_argument("--out", default="calibration.json")
     return p.parse_args(argv)
 
@@ -298,8 +300,8 @@ def _calibrate(args) -> Calibration:
         max_len = max_len or run_max_len
         model = args.model or run_model
     try:
-        cal = fit(records, model=model, dtype=args.dtype or base.model.dtype, cpu=cpu_info().as_dict(),
-                  max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
+        cal = fit(records, split_rows=args.split_rows or None, model=model, dtype=args.dtype or base.model.dtype,
+                  cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     cal.save(args.out)
@@ -312,7 +314,8 @@ def main(argv=None) -> None:
         cal = _calibrate(args)
         print(f"fitted {cal.num_steps} steps: forward R² {cal.forward_r2:.3f}, median error "
               f"{cal.forward_error_p50:.1%}; overhead {cal.overhead['fixed'] * 1000:.2f} ms + "
-              f"{cal.overhead['sequence'] * 1000:.3f} ms/sequence")
+              f"{cal.overhead['sequence'] * 1000:.3f} ms/sequence"
+              + (f"; steps of <= {cal.split_rows} rows fitted apart" if cal.split_rows else ""))
         print(f"model {cal.model} ({cal.dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
         return
     summary = _run(args)

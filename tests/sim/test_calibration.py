@@ -52,3 +52,32 @@ def test_bad_calibrations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="usable steps"):
         fit(recorded("chunked")[:3])
 
+
+
+def test_fit_recovers_a_machine_with_two_regimes():
+    """Steps of at most 16 rows cost differently (the GGUF kernel) from larger ones (dense):
+    the split fit recovers both lines, and one line through both does not."""
+    import msgspec
+
+    small = {"fixed": 0.002, "prefill_token": 2e-3, "decode_token": 2e-3, "sequence": 1e-4, "attention_pair": 2e-8}
+    two = msgspec.structs.replace(CAL, small_forward=small, split_rows=16)
+    steps = simulate(traces.generate("mixed", seed=1, num_requests=48, rate=4.0), config(policy="chunked"), two,
+                     keep_steps=True).steps
+    shapes = [record_shape(r) for r in steps if not r.is_idle]
+    assert sum(s.prefill_tokens + s.decode_tokens <= 16 for s in shapes) >= 20  # both regimes occur
+    cal = fit(steps)
+    assert cal.split_rows == 16 and cal.forward_error_p50 < 1e-6
+    for s in shapes:
+        assert cal.forward_s(s) == pytest.approx(two.forward_s(s), rel=1e-6)
+    one = fit(steps, split_rows=None)
+    assert one.split_rows is None and one.small_forward is None and one.forward_error_p50 > 1e-3
+
+
+def test_a_calibration_without_a_split_still_loads():
+    """Calibrations saved before the split (docs/results/sim/calibration.json) keep working."""
+    from pathlib import Path
+
+    cal = Calibration.load(Path(__file__).resolve().parents[2] / "docs" / "results" / "sim" / "calibration.json")
+    assert cal.split_rows is None and cal.small_forward is None
+    with pytest.raises(ValueError, match="go together"):
+        Calibration(forward=CAL.forward, overhead=CAL.overhead, num_steps=0, split_rows=16)
