@@ -10,6 +10,7 @@ first replica; the state lists every replica with its health and in-flight count
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -42,10 +43,17 @@ def _cluster(request: web.Request) -> ClusterEngine:
 
 
 async def _name_replica(request: web.Request, response: web.StreamResponse) -> None:
+    """The replica that serves the response; for a completions prompt list (one engine request
+    per prompt, ids `ID-0`, `ID-1`, ...), each prompt's, comma-separated in prompt order."""
     request_id = response.headers.get("X-Request-Id")
-    name = _cluster(request).replica_of(request_id) if request_id else None
-    if name is not None:
-        response.headers[REPLICA_HEADER] = name
+    if not request_id:
+        return
+    cluster = _cluster(request)
+    names = [cluster.replica_of(request_id)]
+    if names[0] is None:
+        names = list(itertools.takewhile(bool, (cluster.replica_of(f"{request_id}-{i}") for i in itertools.count())))
+    if names:
+        response.headers[REPLICA_HEADER] = ",".join(names)
 
 
 def _replica(request: web.Request) -> str:

@@ -38,6 +38,7 @@ MAX_REMEMBERED = 4096  # request id -> replica, for the response header (written
 class _Remote:
     replica: str
     outputs: object  # ray.serve.handle.DeploymentResponseGenerator
+    num_choices: int  # n: the stream ends with the last choice's final output
 
 
 def _refusal_error(refusal: Refusal) -> Exception:
@@ -88,8 +89,6 @@ class ClusterEngine:
             raise EngineDeadError(self.dead)
         params = params or SamplingParams()
         params.validate()
-        if params.n != 1:  # stream() relays one choice's outputs, to its first final one
-            raise RequestError("n > 1 is not supported through the cluster router", "n")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
@@ -112,18 +111,20 @@ class ClusterEngine:
                 outputs.cancel()
                 self.router.release(name)
                 raise _refusal_error(verdict)
-            self._remotes[request_id] = _Remote(name, outputs)
+            self._remotes[request_id] = _Remote(name, outputs, params.n)
             self._remember(request_id, name)
             return request_id
         raise EngineDeadError("no engine replica is available")
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         remote = self._remotes[request_id]
-        finished = False
+        finished, ended = False, set()
         try:
             try:
                 async for out in remote.outputs:
-                    finished = out.finished
+                    if out.finished:
+                        ended.add(out.index)
+                    finished = len(ended) >= remote.num_choices
                     yield out
                     if finished:
                         return

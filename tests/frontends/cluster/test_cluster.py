@@ -84,6 +84,8 @@ async def test_openai_sdk_streams_chat_and_completions(replicas):
                          "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
                               "max_completion_tokens": 5, "temperature": 0, "stream": True}),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2,
+                         "stream": True, "stream_options": {"include_usage": True}}),  # n > 1 through the router
 ])
 async def test_sse_bytes_equal_the_single_process_server(tiny_model, replicas, path, body):
     single_config = tiny_config(attention_backend="torch")
@@ -95,6 +97,19 @@ async def test_sse_bytes_equal_the_single_process_server(tiny_model, replicas, p
     assert resp.status == 200 and resp.headers[REPLICA_HEADER] in NAMES
     assert sse_events(got)[-1] == "[DONE]"
     assert got == expected
+
+
+async def test_a_prompt_list_is_served_and_names_each_prompt_s_replica(tiny_model, replicas):
+    body = {"model": "tiny", "prompt": ["Hello", "Bye bye", "Third one"], "max_tokens": 4, "temperature": 0, "n": 2}
+    async with serving(tiny_model, tiny_config(attention_backend="torch"), new_id=fixed_ids(),
+                       clock=lambda: CREATED) as (_, single):
+        expected = await (await single.post("/v1/completions", json=body)).json()
+    async with ingress(replicas, new_id=fixed_ids(), clock=lambda: CREATED) as (_, client):
+        resp = await client.post("/v1/completions", json=body)
+        got = await resp.json()
+    assert resp.status == 200 and got == expected and len(got["choices"]) == 6
+    assert all(name in NAMES for name in resp.headers[REPLICA_HEADER].split(",")), resp.headers[REPLICA_HEADER]
+    assert len(resp.headers[REPLICA_HEADER].split(",")) == 3
 
 
 async def test_shared_prefix_sticks_to_one_replica_and_distinct_prompts_spread(replicas):
