@@ -56,7 +56,9 @@ class Replicas:
                     "of the cluster") from e
             return False
         num_cpus = cluster.ray_num_cpus or math.ceil(cluster.replicas * cluster.replica_cpus)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # address="local": a new Ray of our own, even where `ray start` ran before (a cluster's
+        # address file left in /tmp/ray would otherwise make ray.init join, or fail to join, it)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         return True
 
     @classmethod
