@@ -74,11 +74,7 @@ def _isa_id(isa: str | None) -> int:
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
     """x: [T, K] float32, blocks: [N, K/32 * block bytes] uint8 -> [T, N] float32."""
-    type_id, nbytes = KERNEL_TYPES[qtype]
-    k = blocks.shape[1] // nbytes * BLOCK
-    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    _KERNEL.get().matmul(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
-    return out
+    return _product("matmul", x, blocks, qtype, isa)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
@@ -92,10 +88,15 @@ def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torc
 
 def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
     """As matmul, with x quantized to int8 per 32-block inside the call (see quantize_q8)."""
+    return _product("matmul_q8", x, blocks, qtype, isa)
+
+
+def _product(op: str, x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None) -> torch.Tensor:
+    """The kernel op `op` (matmul or matmul_q8): x [T, K] float32 · dequant(blocks)ᵀ -> [T, N] float32."""
     type_id, nbytes = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // nbytes * BLOCK
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    _KERNEL.get().matmul_q8(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
+    getattr(_KERNEL.get(), op)(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
     return out
 
 
