@@ -4,8 +4,9 @@
     python examples/sim_accuracy.py --calibration c.json --workloads mixed --policies chunked --out acc-out
 
 For each workload and policy: run engine-bench for real (in-process, saving its trace: when each
-request was actually sent), replay that trace through engine-sim with the same config, and print
-each figure and its relative error |sim - real| / real. The calibration should come from a
+request was actually sent), replay that trace through engine-sim with the same config (with
+step noise, once per seed of --sim-seeds: each simulated figure is the median over the seeds),
+and print each figure and its relative error |sim - real| / real. The calibration should come from a
 different run than the ones checked (`engine-sim calibrate --run` or `--steps` of another bench
 run), on the same machine, model and dtype. Run on a quiet machine: a figure of a loaded machine
 is the load's, not the engine's. Writes accuracy.json to --out.
@@ -39,6 +40,9 @@ def main() -> None:
     p.add_argument("--config", default="config.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default="sim-accuracy")
+    p.add_argument("--no-step-noise", action="store_true", help="simulate each step at exactly its prediction")
+    p.add_argument("--sim-seeds", type=int, default=5,
+                   help="simulate each trace with this many noise seeds; each figure is their median")
     p.add_argument("--reuse-real", action="store_true",
                    help="keep the real runs already in --out (trace, steps, results) and redo only the simulation")
     args = p.parse_args()
@@ -74,11 +78,15 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
         subprocess.run([sys.executable, "-m", "engine.bench.cli", *common, "--workload", workload, "--policies",
                         policy, *sizing, *rate, "--no-plots", "--out", str(real_dir), "--save-trace", str(trace),
                         "--save-steps", str(steps)], check=True)
-    subprocess.run([sys.executable, "-m", "engine.sim.cli", "run", *common, "--set", f"policy={policy}",
-                    "--calibration", args.calibration, "--trace", str(trace), "--no-plots", "--out", str(sim_dir)],
-                   check=True)
+    sims = []
+    for seed in range(args.sim_seeds):  # with a trace, the seed draws only the step noise
+        sim_out = sim_dir / f"seed{seed}"
+        subprocess.run([sys.executable, "-m", "engine.sim.cli", "run", *common, "--set", f"policy={policy}",
+                        "--calibration", args.calibration, "--trace", str(trace), "--no-plots", "--out", str(sim_out),
+                        "--seed", str(seed), *(["--no-step-noise"] if args.no_step_noise else [])], check=True)
+        sims.append(json.loads((sim_out / "results.json").read_text())["results"][policy])
     real = json.loads((real_dir / "results.json").read_text())["results"][policy]
-    sim = json.loads((sim_dir / "results.json").read_text())["results"][policy]
+    sim = {f: median([s.get(f) for s in sims]) for f in FIGURES}
     error = {}
     for f in FIGURES:
         a, b = real.get(f), sim.get(f)
@@ -86,6 +94,11 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
     return {"workload": workload, "policy": policy, "real": {f: real.get(f) for f in FIGURES},
             "sim": {f: sim.get(f) for f in FIGURES}, "error": error,
             "step_error_p50": step_error(Calibration.load(args.calibration), load_steps(steps))}
+
+
+def median(values: list) -> float | None:
+    xs = sorted(v for v in values if v is not None and math.isfinite(v))
+    return xs[len(xs) // 2] if xs else None
 
 
 def step_error(cal: Calibration, records: list) -> float | None:

@@ -8,7 +8,8 @@ Two models over a step's composition (`engine.step_cost`'s terms):
   forward, over steps that were followed at once by another (requests still running).
 
 A simulated step lasts forward + overhead; the scheduler sees forward as its `forward_s`, as
-it would in the engine. Saved as JSON with the CPU, model name and dtype it was measured on.
+it would in the engine. The forward is the prediction times a ratio drawn from the fitted
+steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON with the CPU, model name and dtype it was measured on.
 
 Two regimes: on the GGUF path a step of at most 16 rows (tokens) runs the block kernel and a
 larger one the dense fp32 GEMM (engine/model/quant_linear.py), so one line through both
@@ -24,6 +25,7 @@ import msgspec
 import numpy as np
 
 from engine.messages import StepRecord
+from engine.sim.noise import banded_quantiles, check_bands
 from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
 
 OVERHEAD_NAMES = ("fixed", "sequence")
@@ -38,6 +40,14 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     num_steps: int  # steps fitted
     forward_r2: float | None = None
     forward_error_p50: float | None = None  # median |predicted - actual| / actual over the steps fitted
+    # per band of predicted seconds (noise.BAND_EDGES_S), the percentiles (0..100) of actual /
+    # predicted forward seconds of the steps fitted, None for a band with too few: the
+    # simulator's step noise (engine/sim/noise.py); None: every step lasts its prediction
+    forward_ratios: list[list[float] | None] | None = None
+    # seconds^-1: a step predicted at p seconds lasts p * (1 + sustained * p). Minutes of
+    # unbroken compute (continuous admitting 64 prompts in one step) run slower per token than
+    # the ~1 s steps the linear terms are fitted on: 1.1x at 7 s, 1.3x at 31 s, 1.6x at 51 s here
+    sustained: float = 0.0
     model: str = ""
     dtype: str = ""
     cpu: dict = {}
@@ -52,10 +62,19 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("calibration: small_forward and split_rows go together")
         if set(self.overhead) != set(OVERHEAD_NAMES):
             raise ValueError(f"calibration overhead terms must be {OVERHEAD_NAMES}, got {sorted(self.overhead)}")
+        if self.forward_ratios is not None:
+            check_bands(self.forward_ratios)
+        if self.sustained < 0:
+            raise ValueError("calibration sustained must be >= 0")
         if any(v < 0 for v in (*self.forward.values(), *(self.small_forward or {}).values(), *self.overhead.values())):
             raise ValueError("calibration coefficients must be >= 0")
 
     def forward_s(self, shape: StepShape) -> float:
+        p = self.linear_s(shape)
+        return p * (1.0 + self.sustained * p)
+
+    def linear_s(self, shape: StepShape) -> float:
+        """The forward's linear terms alone."""
         f = self.forward
         if self.split_rows is not None and shape.prefill_tokens + shape.decode_tokens <= self.split_rows:
             f = self.small_forward
@@ -104,9 +123,12 @@ def fit(records: list[StepRecord], split_rows: int | None = SPLIT_ROWS, **meta) 
         if split_rows is not None else None
     cal = Calibration(forward=big, small_forward=little, split_rows=split_rows, overhead=_fit_overhead(steps, shapes),
                       num_steps=len(steps), **meta)
-    errors = sorted(abs(cal.forward_s(s) - t) / t for s, t in zip(shapes, times))
-    r2 = _r2([cal.forward_s(s) for s in shapes], times)
-    return msgspec.structs.replace(cal, forward_r2=r2, forward_error_p50=errors[len(errors) // 2])
+    cal = msgspec.structs.replace(cal, sustained=_fit_sustained([cal.linear_s(s) for s in shapes], times))
+    predicted = [cal.forward_s(s) for s in shapes]
+    errors = sorted(abs(p - t) / t for p, t in zip(predicted, times))
+    ratios = banded_quantiles(predicted, times)
+    return msgspec.structs.replace(cal, forward_r2=_r2(predicted, times), forward_error_p50=errors[len(errors) // 2],
+                                   forward_ratios=ratios)
 
 
 def _fit_forward(shapes: list[StepShape], times: list[float]) -> tuple[dict[str, float], float | None]:
@@ -115,6 +137,13 @@ def _fit_forward(shapes: list[StepShape], times: list[float]) -> tuple[dict[str,
         model.observe(shape, t)
     model.fit()
     return dict(zip(NAMES, map(float, model.coef))), model.r2
+
+
+def _fit_sustained(linear: list[float], times: list[float]) -> float:
+    """a >= 0 in actual / linear - 1 = a * linear, by least squares: the long steps set it (a 1 s
+    step's share is a in 1), the short ones' scatter around 1 averages out."""
+    p, r = np.asarray(linear), np.asarray(times) / np.maximum(np.asarray(linear), 1e-9)
+    return max(0.0, float((p * (r - 1.0)).sum() / max((p * p).sum(), 1e-12)))
 
 
 def _r2(predicted: list[float], actual: list[float]) -> float:

@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--duration-s", type=float, help="with --rate: as many requests as arrive in this long")
     r.add_argument("--config", default="config.toml")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
+    r.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
+                   help="draw each step's forward time around its prediction from the calibration's "
+                        "actual/predicted ratios (seeded by --seed); --no-step-noise: exactly the prediction")
     r.add_argument("--replicas", type=int, default=1)
     r.add_argument("--router", choices=sorted(ROUTERS), default="round-robin")
     r.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one run per value of a config key, replicas or router")
@@ -204,7 +207,7 @@ def _run(args) -> dict:
     keep = bool(args.save_steps) or (not args.no_plots and len(trace) <= MAX_PLOTTED_REQUESTS and not args.sweep)
     load_before = os.getloadavg()[0]
     for name, config, replicas, router in targets:
-        res = simulate(trace, config, cal, replicas, router, keep_steps=keep)
+        res = simulate(trace, config, cal, replicas, router, keep_steps=keep, step_noise=args.step_noise, seed=args.seed)
         failed = [t for t in res.timings if not t.ok]
         if failed:
             print(f"{name}: {len(failed)} of {len(res.timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
@@ -213,7 +216,8 @@ def _run(args) -> dict:
         print(f"{name}: {res.duration_s:.1f} s simulated in {res.wall_s:.2f} s wall ({res.speedup:.1f}x)", file=sys.stderr)
         if args.goodput:
             def probe(rate, config=config, replicas=replicas, router=router):
-                r = simulate(_trace(args, rate), config, cal, replicas, router)
+                r = simulate(_trace(args, rate), config, cal, replicas, router, step_noise=args.step_noise,
+                             seed=args.seed)
                 return goodput.fraction_meeting(r.timings, _s(args.slo_ttft_ms), _s(args.slo_itl_ms))
 
             rate, probes = goodput.find(probe, args.goodput_start)

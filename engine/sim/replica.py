@@ -1,8 +1,8 @@
 """One simulated engine: the real Scheduler, policy, BlockManager and KVLedger, wired as
 `Engine.start` wires them, with the executor and the request's tokenizer-side parts stood in.
 
-- `SimExecutor`: a step lasts the calibration's forward + overhead seconds on the (virtual)
-  loop clock; every sampled request gets a dummy token that is never EOS (lengths come from
+- `SimExecutor`: a step lasts the calibration's forward (times a drawn ratio, with step
+  noise) + overhead seconds on the (virtual) loop clock; every sampled request gets a dummy token that is never EOS (lengths come from
   `max_tokens` with `ignore_eos`, as engine-bench sends them).
 - `NullDetokenizer`: no tokenizer, no text.
 - `Delivery`: stands in for a request's OutputBuffer and times each output when the scheduler
@@ -25,6 +25,8 @@ from engine.policies import make_policy
 from engine.request import Request
 from engine.scheduler import Scheduler, plan_shape
 from engine.sim.calibration import Calibration
+from engine.sim.noise import StepNoise
+from engine.step_cost import StepShape
 from engine.step_cost_calibration import calibrate
 
 SAMPLED_TOKEN = 1  # every simulated step samples this id; no request has an EOS id
@@ -32,18 +34,23 @@ NO_CONTEXT_LIMIT = 1 << 30  # a calibration that does not know the model's conte
 
 
 class SimExecutor:
-    def __init__(self, calibration: Calibration, block_size: int):
+    def __init__(self, calibration: Calibration, block_size: int, noise: StepNoise | None = None):
         self.calibration = calibration
         self.block_size = block_size  # step_cost_calibration sizes its plans by it
+        self.noise = noise  # None: a step's forward lasts exactly its prediction
+
+    def forward_s(self, shape: StepShape) -> float:
+        forward = self.calibration.forward_s(shape)
+        return forward * self.noise(forward) if self.noise is not None else forward
 
     def run_plan(self, plan: StepPlan) -> StepOutcome:
         """What Executor.run_plan returns: the sampled tokens and the forward seconds."""
-        forward = self.calibration.forward_s(plan_shape(plan))
+        forward = self.forward_s(plan_shape(plan))
         return StepOutcome({it.request_id: SAMPLED_TOKEN for it in plan.items if it.sample}, forward)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         shape = plan_shape(plan)
-        forward = self.calibration.forward_s(shape)
+        forward = self.forward_s(shape)
         cycle = forward + self.calibration.overhead_s(shape)
         start = asyncio.get_running_loop().time()
         await asyncio.sleep(cycle)
@@ -90,14 +97,15 @@ class Delivery:
 class SimReplica:
     """Construct inside the simulation's running loop (the scheduler reads its clock)."""
 
-    def __init__(self, config: EngineConfig, calibration: Calibration, publish: Callable[[StepRecord], None]):
+    def __init__(self, config: EngineConfig, calibration: Calibration, publish: Callable[[StepRecord], None],
+                 noise: StepNoise | None = None):
         c = config
         loop = asyncio.get_running_loop()
         self.config = config
         self.max_model_len = calibration.max_model_len or NO_CONTEXT_LIMIT
         self.kv_capacity_tokens = c.cache.num_blocks * c.cache.block_size
         self.manager = BlockManager(c.cache.num_blocks, c.cache.block_size, c.cache.enable_prefix_caching)
-        self.executor = SimExecutor(calibration, c.cache.block_size)
+        self.executor = SimExecutor(calibration, c.cache.block_size, noise)
         self.scheduler = Scheduler(
             make_policy(c.scheduler.policy, c), BlockManagerClient(self.manager),
             KVLedger(c.cache.num_blocks, c.cache.block_size), self.executor.execute, publish, pad_token_id=0,

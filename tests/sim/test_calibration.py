@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine.sim import trace as traces
@@ -81,3 +82,15 @@ def test_a_calibration_without_a_split_still_loads():
     assert cal.split_rows is None and cal.small_forward is None
     with pytest.raises(ValueError, match="go together"):
         Calibration(forward=CAL.forward, overhead=CAL.overhead, num_steps=0, split_rows=16)
+
+
+def test_fit_finds_the_slowdown_of_long_steps():
+    """Steps that run p * (1 + a * p) for a linear prediction p give a back; without long steps, 0."""
+    slow = msgspec.structs.replace(CAL, sustained=0.02)
+    trace = [traces.TraceRequest(arrival_s=0.0, prompt_tokens=400 + 7 * k, output_tokens=4) for k in range(48)]
+    steps = simulate(trace, config(policy="continuous", max_num_seqs=64, num_blocks=4096), slow, keep_steps=True,
+                     step_noise=False).steps
+    steps += recorded("chunked")  # short steps: their prediction
+    cal = fit(steps, model="fake", dtype="float32")
+    assert cal.sustained == pytest.approx(0.02, rel=0.2)
+    assert fit(recorded("chunked"), model="fake", dtype="float32").sustained == pytest.approx(0.0, abs=1e-6)
