@@ -29,6 +29,7 @@ from engine.sim.noise import banded_quantiles, check_bands
 from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
 
 OVERHEAD_NAMES = ("fixed", "sequence")
+SUSTAINED_MIN_S = 5.0  # the sustained slowdown is fitted only when a step was predicted this long
 SPLIT_ROWS = 16  # the GGUF path's kernel / dense switch (quant_linear.NATIVE_MAX_ROWS; not imported: no torch here)
 
 
@@ -141,7 +142,11 @@ def _fit_forward(shapes: list[StepShape], times: list[float]) -> tuple[dict[str,
 
 def _fit_sustained(linear: list[float], times: list[float]) -> float:
     """a >= 0 in actual / linear - 1 = a * linear, by least squares: the long steps set it (a 1 s
-    step's share is a in 1), the short ones' scatter around 1 averages out."""
+    step's share is a in 1), the short ones' scatter around 1 averages out. Without a step of at
+    least SUSTAINED_MIN_S there is nothing to measure it on (fitted on the scatter of 1-2 s steps
+    alone it came out 3 %/s, which would make a 40 s step 2.3x): 0."""
+    if not linear or max(linear) < SUSTAINED_MIN_S:
+        return 0.0
     p, r = np.asarray(linear), np.asarray(times) / np.maximum(np.asarray(linear), 1e-9)
     return max(0.0, float((p * (r - 1.0)).sum() / max((p * p).sum(), 1e-12)))
 

@@ -319,7 +319,8 @@ def main(argv=None) -> None:
         print(f"fitted {cal.num_steps} steps: forward R² {cal.forward_r2:.3f}, median error "
               f"{cal.forward_error_p50:.1%}; overhead {cal.overhead['fixed'] * 1000:.2f} ms + "
               f"{cal.overhead['sequence'] * 1000:.3f} ms/sequence"
-              + (f"; steps of <= {cal.split_rows} rows fitted apart" if cal.split_rows else ""))
+              + (f"; steps of <= {cal.split_rows} rows fitted apart" if cal.split_rows else "")
+              + f"; long steps {cal.sustained * 100:.2f} % slower per second predicted")
         print(f"model {cal.model} ({cal.dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
         return
     summary = _run(args)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from engine.sim import trace as traces
-from engine.sim.calibration import Calibration, fit, load_steps, record_shape
+from engine.sim.calibration import SUSTAINED_MIN_S, Calibration, fit, load_steps, record_shape
 from engine.sim.simulator import simulate
 from tests.sim.util import CAL, config
 
@@ -85,7 +85,8 @@ def test_a_calibration_without_a_split_still_loads():
 
 
 def test_fit_finds_the_slowdown_of_long_steps():
-    """Steps that run p * (1 + a * p) for a linear prediction p give a back; without long steps, 0."""
+    """Steps that run p * (1 + a * p) for a linear prediction p give a back; without a step of
+    SUSTAINED_MIN_S or more there is nothing to fit it on: 0."""
     slow = msgspec.structs.replace(CAL, sustained=0.02)
     trace = [traces.TraceRequest(arrival_s=0.0, prompt_tokens=400 + 7 * k, output_tokens=4) for k in range(48)]
     steps = simulate(trace, config(policy="continuous", max_num_seqs=64, num_blocks=4096), slow, keep_steps=True,
@@ -93,4 +94,7 @@ def test_fit_finds_the_slowdown_of_long_steps():
     steps += recorded("chunked")  # short steps: their prediction
     cal = fit(steps, model="fake", dtype="float32")
     assert cal.sustained == pytest.approx(0.02, rel=0.2)
-    assert fit(recorded("chunked"), model="fake", dtype="float32").sustained == pytest.approx(0.0, abs=1e-6)
+    short = recorded("chunked")
+    assert max(CAL.forward_s(record_shape(r)) for r in short) < SUSTAINED_MIN_S
+    assert fit(short, model="fake", dtype="float32").sustained == 0.0
+    assert max(cal.linear_s(record_shape(r)) for r in steps) >= SUSTAINED_MIN_S
