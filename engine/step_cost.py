@@ -17,7 +17,6 @@ It is pure Python + NumPy and knows nothing of the engine: the simulator uses it
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 import msgspec
@@ -77,9 +76,12 @@ class StepCostModel:
     def __init__(self, window: int = 256, refit_every: int = 8):
         self.window = window
         self.refit_every = refit_every
-        self._x: deque[list[float]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # the last `window` steps in a ring (row i % window): fitting reads them without a copy
+        self._x = np.zeros((window, len(NAMES)))
+        self._y = np.zeros(window)
+        self._num_seen = 0
         self.coef = np.zeros(len(NAMES))
+        self._coef = (0.0,) * len(NAMES)  # the same as floats: predict() is called ~10 times a step
         self.r2: float | None = None
         self._since_fit = 0
         self.last_predicted_s: float | None = None
@@ -89,32 +91,42 @@ class StepCostModel:
     def is_fitted(self) -> bool:
         return self.r2 is not None
 
+    @property
+    def num_samples(self) -> int:
+        return min(self._num_seen, self.window)
+
     def predict(self, shape: StepShape) -> float:
-        return float(np.dot(self.coef, shape.features()))
+        c = self._coef
+        return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens + c[3] * shape.num_seqs
+                + c[4] * shape.attention_work)
 
     def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
-        self._x.append(shape.features())
-        self._y.append(seconds)
+        row = self._num_seen % self.window
+        self._x[row] = shape.features()
+        self._y[row] = seconds
+        self._num_seen += 1
         self.last_predicted_s, self.last_actual_s = predicted, seconds
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or not self.is_fitted and len(self._y) >= len(NAMES):
+        if self._since_fit >= self.refit_every or not self.is_fitted and self.num_samples >= len(NAMES):
             self.fit()
 
     def fit(self) -> None:
         self._since_fit = 0
-        if len(self._y) < 2:
+        n = self.num_samples
+        if n < 2:
             return
-        x, y = np.asarray(self._x, dtype=np.float64), np.asarray(self._y, dtype=np.float64)
+        x, y = self._x[:n], self._y[:n]
         # relative errors: a 5 ms decode step matters as much as a 1 s prefill step
         w = 1.0 / np.maximum(y, 1e-4)
         self.coef = nonnegative_least_squares(x * w[:, None], y * w)
+        self._coef = tuple(map(float, self.coef))
         residual = y - x @ self.coef
         total = float(((y - y.mean()) ** 2).sum())
         self.r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
 
     def figures(self) -> CostFigures:
         return CostFigures(
-            coefficients=dict(zip(NAMES, map(float, self.coef))), r2=self.r2, num_samples=len(self._y),
+            coefficients=dict(zip(NAMES, self._coef)), r2=self.r2, num_samples=self.num_samples,
             last_predicted_s=self.last_predicted_s, last_actual_s=self.last_actual_s,
         )
 

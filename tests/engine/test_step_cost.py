@@ -66,3 +66,21 @@ def test_unfitted_predicts_zero_and_reports_figures():
     f = model.figures()
     assert f.num_samples == 5 and set(f.coefficients) == {"fixed", "prefill_token", "decode_token", "sequence",
                                                           "attention_pair"}
+
+
+def test_fits_only_the_last_window_of_steps():
+    """The machine changed speed: once `window` steps of the new speed are in, the old ones are gone."""
+    rng = random.Random(2)
+    model = StepCostModel(window=32, refit_every=1)
+    for _ in range(50):  # more than a window of the old machine, so the ring wraps
+        s = random_step(rng)
+        model.observe(s, float(np.dot(TRUE, s.features())))
+    for k in range(32):
+        s = random_step(rng)
+        model.observe(s, float(np.dot(2 * TRUE, s.features())))
+        if k < 31:  # old steps still in the window: neither machine's coefficients
+            assert not np.allclose(model.coef, 2 * TRUE, rtol=1e-6)
+    np.testing.assert_allclose(model.coef, 2 * TRUE, rtol=1e-6)
+    assert model.figures().num_samples == 32
+    s = random_step(rng)
+    assert model.predict(s) == pytest.approx(float(np.dot(2 * TRUE, s.features())), rel=1e-9)
