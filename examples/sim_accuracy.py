@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -97,8 +98,8 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
 
 
 def median(values: list) -> float | None:
-    xs = sorted(v for v in values if v is not None and math.isfinite(v))
-    return xs[len(xs) // 2] if xs else None
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median_high(xs) if xs else None
 
 
 def step_error(cal: Calibration, records: list) -> float | None:

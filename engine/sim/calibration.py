@@ -9,7 +9,8 @@ Two models over a step's composition (`engine.step_cost`'s terms):
 
 A simulated step lasts forward + overhead; the scheduler sees forward as its `forward_s`, as
 it would in the engine. The forward is the prediction times a ratio drawn from the fitted
-steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON with the CPU, model name and dtype it was measured on.
+steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON
+with the CPU, model name and dtype it was measured on.
 
 Two regimes: on the GGUF path a step of at most 16 rows (tokens) runs the block kernel and a
 larger one the dense fp32 GEMM (engine/model/quant_linear.py), so one line through both

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 NUM_QUANTILES = 101  # 0, 1, ..., 100 %
 BAND_EDGES_S = (0.1, 0.3, 1.0, 3.0)  # bands of predicted seconds: [0, 0.1), [0.1, 0.3), ..., [3, inf)
 MIN_BAND_STEPS = 20
@@ -20,14 +22,7 @@ MIN_BAND_STEPS = 20
 
 def ratio_quantiles(ratios: list[float]) -> list[float]:
     """The percentiles of `ratios` (actual / predicted forward seconds of the steps fitted)."""
-    xs = sorted(ratios)
-    out = []
-    for k in range(NUM_QUANTILES):
-        at = k / (NUM_QUANTILES - 1) * (len(xs) - 1)
-        i = min(int(at), len(xs) - 2) if len(xs) > 1 else 0
-        frac = at - i
-        out.append(xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * frac)
-    return out
+    return np.quantile(ratios, np.linspace(0.0, 1.0, NUM_QUANTILES)).tolist()
 
 
 def band_of(predicted_s: float) -> int:

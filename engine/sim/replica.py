@@ -2,8 +2,9 @@
 `Engine.start` wires them, with the executor and the request's tokenizer-side parts stood in.
 
 - `SimExecutor`: a step lasts the calibration's forward (times a drawn ratio, with step
-  noise) + overhead seconds on the (virtual) loop clock; every sampled request gets a dummy token that is never EOS (lengths come from
-  `max_tokens` with `ignore_eos`, as engine-bench sends them).
+  noise) + overhead seconds on the (virtual) loop clock; every sampled request gets a dummy
+  token that is never EOS (lengths come from `max_tokens` with `ignore_eos`, as engine-bench
+  sends them).
 - `NullDetokenizer`: no tokenizer, no text.
 - `Delivery`: stands in for a request's OutputBuffer and times each output when the scheduler
   emits it, as engine-bench's reader timestamps each output it takes.
