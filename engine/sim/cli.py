@@ -189,6 +189,9 @@ def _run(args) -> dict:
         cal = Calibration.load(args.calibration)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--calibration: {e}") from None
+    if args.step_noise and cal.forward_ratios is None:
+        print(f"{args.calibration} has no step ratios (an older calibration): every step lasts its prediction, "
+              "without step noise; `engine-sim calibrate` again to have them", file=sys.stderr)
     if args.goodput and args.slo_ttft_ms is None and args.slo_itl_ms is None:
         raise SystemExit("--goodput needs --slo-ttft-ms and/or --slo-itl-ms")
     if args.goodput and args.workload in ("spike", "spike-overlap"):
