@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.model.fused_layer import FusedLayers
 from engine.model.linear import Linear, resolve
 from engine.model.quant_linear import QuantLinear, native_weights
 from engine.model.norm import RMSNorm
@@ -72,6 +73,8 @@ class LlamaModel:
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
         self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.embed)
+        # steps of few rows on GGUF blocks run each layer in two C++ calls (None: op by op)
+        self.fused = FusedLayers.for_model(self)
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of a weight on our device: nothing is shared with the transformers model,
@@ -137,25 +140,24 @@ class LlamaModel:
         logits_rows: torch.Tensor,  # [B] rows of the flattened batch whose logits are wanted
     ) -> torch.Tensor:  # [B, V] float32
         s, spec = self.shape, self.spec
-        num_tokens = input_ids.shape[0]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        num_tokens, q_size = input_ids.shape[0], s.num_heads * s.head_dim
         prepared = self.backend.prepare(meta)
-        rope = {key: (cos[positions][:, None, :], sin[positions][:, None, :]) for key, (cos, sin) in self.rope.items()}
+        rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}  # [T, R] each
         h = self.embed[input_ids]  # [T, E]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.fused is not None and num_tokens <= self.fused.max_rows:
+            return self._forward_fused(h, rope, meta, kv_cache, prepared, logits_rows)
         for i, w in enumerate(self.layers):
             x = w.input_norm(h)
-            qkv = w.qkv(x)  # [T, (H + 2 KVH) D]
-            q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
+            q, k, v = self._heads(w.qkv(x))
             if w.q_norm is not None:
                 q, k = w.q_norm(q), w.k_norm(k)
-            cos, sin = rope[spec.rope_keys[i]]  # [T, 1, R] each
+            cos, sin = rope[spec.rope_keys[i]]
+            cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R] each
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(i)
-            attn = self.backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, prepared, spec.attention[i])
+            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, prepared, spec.attention[i])
             o = w.o(attn.reshape(num_tokens, q_size))  # [T, E]
             if w.pre_ff_norm is not None:  # Gemma: norm the attention output, then the MLP input
                 h = h + w.post_attn_norm(o)
@@ -166,6 +168,31 @@ class LlamaModel:
             gate, up = w.gate_up(x).chunk(2, dim=-1)  # [T, I] each
             y = w.down(self.activation(gate) * up)  # [T, E]
             h = h + (y if w.post_ff_norm is None else w.post_ff_norm(y))
+        return self._logits(h, logits_rows)
+
+    def _forward_fused(self, h, rope, meta, kv_cache, prepared, logits_rows) -> torch.Tensor:
+        """forward() for a step of few rows on GGUF blocks: each layer is two C++ calls around
+        attention (engine/model/fused_layer.py)."""
+        spec, fused = self.spec, self.fused
+        num_tokens, q_size = h.shape[0], self.shape.num_heads * self.shape.head_dim
+        for i in range(len(self.layers)):
+            cos, sin = rope[spec.rope_keys[i]]
+            q, k, v = self._heads(fused.attn_in(i, h, cos, sin))  # q and k rotated
+            k_cache, v_cache = kv_cache.layer(i)
+            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, prepared, spec.attention[i])
+            fused.attn_out_mlp(i, h, attn.reshape(num_tokens, q_size))
+        return self._logits(h, logits_rows)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2 KVH) D] -> q [T, H, D], k [T, KVH, D] (views), v [T, KVH, D] (contiguous)."""
+        s, t = self.shape, qkv.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q = qkv[:, :q_size].view(t, s.num_heads, s.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, s.num_kv_heads, s.head_dim)
+        return q, k, qkv[:, q_size + kv_size :].reshape(t, s.num_kv_heads, s.head_dim).contiguous()
+
+    def _logits(self, h: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:  # -> [B, V] float32
+        spec = self.spec
         last = self.final_norm(h[logits_rows])  # [B, E]
         logits = self.lm_head(last)  # [B, V]
         if spec.final_softcap is not None:

@@ -26,7 +26,7 @@ from engine.cpp_build import KernelLoader, build_extension
 from engine.cpu import cpu_info
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "quant_matmul.cpp", _CSRC / "quant_matmul_impl.h", _CSRC / "q8_matmul_impl.h"]
+_SOURCES = [_CSRC / "quant_matmul.cpp", *(_CSRC / h for h in ("quant_matmul_impl.h", "q8_matmul_impl.h", "decode_layer_impl.h"))]
 
 # ggml type ids (gguf.GGMLQuantizationType) the kernel runs, with their block size in bytes
 KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}

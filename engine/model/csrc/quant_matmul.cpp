@@ -1,7 +1,9 @@
 // y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations
 // and fp32 accumulation, plus the dequantization itself; and the same product with x quantized
 // to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
-// registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}.
+// registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, and the fused
+// layer halves attn_in / attn_out_mlp (decode_layer_impl.h) that run a layer's work around
+// attention in two calls.
 //
 // One build serves every x86-64 CPU: the kernel body (quant_matmul_impl.h) is compiled three
 // times, for AVX-512, for AVX2+FMA (target pragmas, never -march=native) and portably (the
@@ -10,6 +12,8 @@
 // Work is split over output rows with at::parallel_for (torch's intra-op threads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -119,6 +123,20 @@ void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t is
 #endif
 }
 
+// The product of a checked job, over torch's intra-op threads by panels of output rows.
+void run_matmul(const Job& job, int64_t isa) {
+  const int64_t num_panels = (job.N + PANEL - 1) / PANEL;
+  at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> panel(job.T > DIRECT_MAX_ROWS ? PANEL * job.K : 0);
+    const int64_t n0 = p0 * PANEL, n1 = std::min(job.N, p1 * PANEL);
+#ifdef STEPWISE_X86
+    if (isa == 2) return avx512::matmul(job, n0, n1, panel.data());
+    if (isa == 1) return avx2::matmul(job, n0, n1, panel.data());
+#endif
+    portable::matmul(job, n0, n1, panel.data());
+  });
+}
+
 // x [T, K] float32 (rows may be strided, K contiguous), blocks [N, K/32 * block bytes] uint8,
 // out [T, N] float32 (written; K-contiguous rows).
 void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
@@ -129,18 +147,8 @@ void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == N &&
                   out.stride(1) == 1, "stepwise_gguf.matmul: out must be float32 [T, N] with contiguous rows");
   if (T == 0 || N == 0) return;
-  const Job job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
-                out.data_ptr<float>(), out.stride(0), int(qtype)};
-  const int64_t num_panels = (N + PANEL - 1) / PANEL;
-  at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> panel(PANEL * K);
-    const int64_t n0 = p0 * PANEL, n1 = std::min(N, p1 * PANEL);
-#ifdef STEPWISE_X86
-    if (isa == 2) return avx512::matmul(job, n0, n1, panel.data());
-    if (isa == 1) return avx2::matmul(job, n0, n1, panel.data());
-#endif
-    portable::matmul(job, n0, n1, panel.data());
-  });
+  run_matmul(Job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
+                 out.data_ptr<float>(), out.stride(0), int(qtype)}, isa);
 }
 
 // blocks [N, row bytes] -> out [N, K] float32 (written, contiguous).
@@ -216,6 +224,8 @@ void matmul_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int
   });
 }
 
+#include "decode_layer_impl.h"
+
 }  // namespace
 
 TORCH_LIBRARY(stepwise_gguf, m) {
@@ -227,4 +237,11 @@ TORCH_LIBRARY(stepwise_gguf, m) {
   m.def("matmul_q8(Tensor x, Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
   m.impl("quantize_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_q8));
   m.impl("matmul_q8", c10::DispatchKey::CPU, TORCH_FN(matmul_q8));
+  m.def("attn_in(Tensor h, Tensor norm_w, float eps, Tensor blocks, int qtype, Tensor? bias, Tensor cos, Tensor sin, "
+        "int heads, int kv_heads, int head_dim, int isa, Tensor(a!) qkv) -> ()");
+  m.def("attn_out_mlp(Tensor(a!) h, Tensor attn, Tensor o_blocks, int o_qtype, Tensor? o_bias, Tensor norm_w, "
+        "float eps, Tensor gu_blocks, int gu_qtype, Tensor? gu_bias, Tensor down_blocks, int down_qtype, "
+        "Tensor? down_bias, int isa) -> ()");
+  m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
+  m.impl("attn_out_mlp", c10::DispatchKey::CPU, TORCH_FN(attn_out_mlp));
 }

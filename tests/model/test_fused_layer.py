@@ -1,0 +1,130 @@
+"""The fused layer halves (attn_in, attn_out_mlp): each equals the op-by-op arithmetic on random
+GGUF blocks on every kernel path this CPU runs; a model on GGUF blocks runs its small steps
+through them with the same logits as op by op, and keeps the op-by-op path where it must."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.cpu_backend import CpuAttention, cpu_kernel_available
+from engine.attention.torch_backend import TorchAttention
+from engine.model import quant_kernel as qk
+from engine.model.fused_layer import FusedLayers
+from engine.model.llama import LlamaModel
+from engine.model.norm import RMSNorm
+from engine.model.rope import apply_rope
+from tests.model.test_gguf_weights import write_tiny_gguf
+from tests.model.test_quant_kernel import ISAS, random_blocks
+from tests.paged import PagedRunner
+
+pytestmark = pytest.mark.skipif(not qk.quant_kernel_available(), reason="the C++ GGUF kernel does not build here")
+OPS = torch.ops.stepwise_gguf if qk.quant_kernel_available() else None
+EPS = 1e-5
+
+
+def type_id(qtype: str) -> int:
+    return qk.KERNEL_TYPES[qtype][0]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for the order of fp32 additions: ~1e-5 of the largest value."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def dense(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    return qk.dequantize(blocks, qtype, "portable")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rotary", [32, 16])  # all of head_dim 32, or a partial rotary (Phi-3 style)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_attn_in_equals_norm_projection_rope(isa: str, rows: int, rotary: int, with_bias: bool):
+    heads, kv_heads, head_dim, e = 4, 2, 32, 96  # e: a multiple of the block, not of a 64-wide tile
+    g = torch.Generator().manual_seed(rows + rotary)
+    n = (heads + 2 * kv_heads) * head_dim
+    blocks = random_blocks("Q4_1", n, e, seed=rows)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    h, norm_w = torch.randn(rows, e, generator=g), torch.rand(e, generator=g) + 0.5
+    cos, sin = torch.randn(rows, rotary, generator=g), torch.randn(rows, rotary, generator=g)
+
+    qkv = torch.empty(rows, n)
+    OPS.attn_in(h, norm_w, EPS, blocks, type_id("Q4_1"), bias, cos, sin, heads, kv_heads, head_dim, qk.ISAS[isa], qkv)
+
+    want = F.linear(RMSNorm(norm_w, EPS)(h), dense(blocks, "Q4_1"), bias)
+    q = want[:, : heads * head_dim].view(rows, heads, head_dim)
+    k = want[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    c, s = cos[:, None, :], sin[:, None, :]
+    want = torch.cat([apply_rope(q, c, s).flatten(1), apply_rope(k, c, s).flatten(1),
+                      want[:, (heads + kv_heads) * head_dim :]], dim=1)
+    close(qkv, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_bias: bool):
+    e, hd, inter = 96, 64, 160
+    g = torch.Generator().manual_seed(rows)
+    o_blocks, gu_blocks, down_blocks = (random_blocks("Q8_0", e, hd, 1), random_blocks("Q4_1", 2 * inter, e, 2),
+                                        random_blocks("Q4_0", e, inter, 3))
+    biases = [torch.randn(m, generator=g) if with_bias else None for m in (e, 2 * inter, e)]
+    h, attn, norm_w = torch.randn(rows, e, generator=g), torch.randn(rows, hd, generator=g), torch.rand(e, generator=g) + 0.5
+
+    got = h.clone()
+    OPS.attn_out_mlp(got, attn, o_blocks, type_id("Q8_0"), biases[0], norm_w, EPS, gu_blocks, type_id("Q4_1"),
+                     biases[1], down_blocks, type_id("Q4_0"), biases[2], qk.ISAS[isa])
+
+    want = h + F.linear(attn, dense(o_blocks, "Q8_0"), biases[0])
+    gate, up = F.linear(RMSNorm(norm_w, EPS)(want), dense(gu_blocks, "Q4_1"), biases[1]).chunk(2, dim=-1)
+    want = want + F.linear(F.silu(gate) * up, dense(down_blocks, "Q4_0"), biases[2])
+    close(got, want)
+
+
+def test_attn_out_mlp_refuses_shapes_that_do_not_chain():
+    h, attn = torch.randn(1, 96), torch.randn(1, 64)
+    o, gu, down = random_blocks("Q8_0", 96, 64, 1), random_blocks("Q8_0", 100, 96, 2), random_blocks("Q8_0", 96, 64, 3)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        OPS.attn_out_mlp(h, attn, o, 8, None, torch.ones(96), EPS, gu, 8, None, down, 8, None, 0)
+
+
+def backends():
+    cpu = pytest.param(CpuAttention, marks=pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel"))
+    return [TorchAttention, cpu]
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, backend):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = LlamaModel(loaded.hf_model, backend(), gguf=loaded.gguf, weight_format="gguf")
+    fused = model.fused
+    assert isinstance(fused, FusedLayers) and fused.max_rows == 16
+    calls = []
+    attn_in = fused.attn_in
+    fused.attn_in = lambda *a: calls.append(a[1].shape[0]) or attn_in(*a)
+
+    def run(use_fused: bool) -> list[torch.Tensor]:
+        model.fused = fused if use_fused else None
+        runner = PagedRunner(model, num_blocks=16)
+        prompts = {0: list(range(3, 23)), 1: list(range(40, 45)), 2: list(range(60, 63))}
+        out = [runner.step([(0, prompts[0])])]  # 20 rows: op by op, even with the fused path on
+        out.append(runner.step([(1, prompts[1]), (2, prompts[2]), (0, [7])]))  # a prefill mix of 9 rows
+        for t in range(4):  # decodes of 3 rows, then of 1
+            out.append(runner.step([(0, [8 + t]), (1, [9 + t]), (2, [10 + t])] if t < 2 else [(1, [11 + t])]))
+        return out
+
+    got, want = run(True), run(False)
+    assert calls == [9] * 2 + [3] * 4 + [1] * 4  # two layers a step; the 20-row step never came here
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_fused_path_only_for_plain_layers_on_fp32_gguf_kernels(tmp_path, tiny_model):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").fused is not None
+    for fmt in ("dequantized", "gguf-q8"):  # dense weights; int8 activations keep their own kernel
+        assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format=fmt).fused is None
+    assert LlamaModel(tiny_model.hf_model, TorchAttention()).fused is None  # no GGUF blocks at all
