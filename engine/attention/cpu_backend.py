@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import LayerAttention, store_kv
+from engine.attention.backend import LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.cpp_build import KernelLoader, build_extension, cpu_tag
 
@@ -42,7 +42,7 @@ def cpu_kernel_available() -> bool:
 
 @dataclass
 class CpuPlan:
-    valid: torch.Tensor | None  # [T] bool, None = every slot is stored
+    slot_mapping: torch.Tensor  # [T] int64, -1 = not stored
     tiles: torch.Tensor  # [num_tiles, 5] int32: seq, first token, num tokens, context, first position
     block_tables: torch.Tensor  # [B, W] int32
 
@@ -55,7 +55,6 @@ class CpuAttention:
         self.tokens_per_tile = tokens_per_tile
 
     def prepare(self, meta: AttentionMetadata) -> CpuPlan:
-        has_skip = bool((meta.slot_mapping < 0).any())
         # A tile's tokens share every K/V row load (prefill); a decode is a one-token tile.
         tokens_per_tile, tiles, start = self.tokens_per_tile, [], 0
         for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
@@ -65,7 +64,7 @@ class CpuAttention:
             start += q_len
         tiles.sort(key=lambda t: -t[2] * (t[4] + t[2]))  # most keys x rows first: threads balance
         return CpuPlan(
-            valid=(meta.slot_mapping >= 0) if has_skip else None,
+            slot_mapping=meta.slot_mapping.to(torch.int64).contiguous(),
             tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 5),
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
         )
@@ -73,9 +72,9 @@ class CpuAttention:
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: CpuPlan, layer: LayerAttention | None = None
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
         layer = layer or LayerAttention.plain(q.shape[2])
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
-        self._op(q, k, v, k_cache, v_cache, plan.tiles, plan.block_tables, out,
+        # the kernel stores k/v at their slots (-1: not stored), then attends
+        self._op(q, k, v, k_cache, v_cache, plan.slot_mapping, plan.tiles, plan.block_tables, out,
                  layer.scale, layer.window or 0, layer.softcap or 0.0)
         return out

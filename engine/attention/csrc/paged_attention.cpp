@@ -1,4 +1,5 @@
-// Paged attention on CPU, straight from the paged KV cache (no gather). Built at first use by
+// Paged attention on CPU, straight from the paged KV cache (no gather), after storing the
+// step's keys/values into it. Built at first use by
 // engine/attention/cpu_backend.py and registered as torch.ops.stepwise_cpu.paged_attention.
 //
 // Work item = (tile, kv head g): a tile is up to a few consecutive query tokens of one
@@ -300,13 +301,31 @@ void run_d(const Args& a) {
   }
 }
 
-// q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D], tiles [num_tiles, 5]
+// This step's keys/values into the cache at their slots (block * block_size + offset); -1 = skip.
+template <typename T>
+void store_kv(const Args& a, const int64_t* slots, int64_t num_tokens) {
+  const size_t row = size_t(a.D) * sizeof(T);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t base = slots[t] / a.block_size * a.sc_b + slots[t] % a.block_size * a.sc_o;
+    for (int g = 0; g < a.KVH; ++g) {
+      std::memcpy(static_cast<T*>(const_cast<void*>(a.kc)) + base + g * a.sc_h,
+                  static_cast<const T*>(a.k) + t * a.sk_t + g * a.sk_h, row);
+      std::memcpy(static_cast<T*>(const_cast<void*>(a.vc)) + base + g * a.sc_h,
+                  static_cast<const T*>(a.v) + t * a.sv_t + g * a.sv_h, row);
+    }
+  }
+}
+
+// q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] (the step's k/v are
+// stored into them first, at slot_mapping [T] int64, -1 = not stored), tiles [num_tiles, 5]
 // int32, block_tables [B, W] int32, out [T, H, D] (written). Last dims must be contiguous.
 // scale: score scale; window: 0 or the sliding window; softcap: 0 or the tanh soft-cap.
 // Every token of the batch must be in exactly one tile, or its output rows stay unwritten.
 void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& tiles, const at::Tensor& block_tables,
-                     const at::Tensor& out, double scale, int64_t window, double softcap) {
+                     const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& tiles,
+                     const at::Tensor& block_tables, const at::Tensor& out, double scale, int64_t window,
+                     double softcap) {
   for (const at::Tensor* x : {&q, &k, &v, &k_cache, &v_cache, &out}) {
     TORCH_CHECK(x->device().is_cpu(), "paged_attention: CPU tensors only");
     TORCH_CHECK(x->scalar_type() == q.scalar_type(), "paged_attention: q/k/v/caches/out must share a dtype");
@@ -349,6 +368,17 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   a.max_rows = max_qt * a.G;
   TORCH_CHECK(window >= 0 && softcap >= 0 && scale > 0, "paged_attention: bad scale, window or softcap");
   a.scale = float(scale), a.window = int(window), a.softcap = float(softcap);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == num_tokens, "paged_attention: slot_mapping must be contiguous int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * a.block_size;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "paged_attention: slot ", slots[t], " is past the cache's ", num_slots);
+  switch (q.scalar_type()) {
+    case at::kFloat: store_kv<float>(a, slots, num_tokens); break;
+    case at::kBFloat16: store_kv<c10::BFloat16>(a, slots, num_tokens); break;
+    default: TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
   if (a.num_tiles == 0) return;
   switch (q.scalar_type()) {
     case at::kFloat: return run_d<float>(a);
@@ -360,7 +390,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(stepwise_cpu, m) {
-  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor tiles, "
-        "Tensor block_tables, Tensor(a!) out, float scale, int window, float softcap) -> ()");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor tiles, Tensor block_tables, Tensor(c!) out, float scale, int window, float softcap) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
