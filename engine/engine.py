@@ -11,11 +11,13 @@ scheduler ⇄ executor. No global state: several engines can live in one process
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -38,6 +40,7 @@ from engine.request import MAX_N, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_cost import CostFigures
 from engine.step_cost_calibration import calibrate
+from engine.torch_thread import torch_thread
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STEP_SUBSCRIBER_BUFFER = 2048
@@ -67,18 +70,26 @@ class Engine:
     # --- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> Engine:
+        # All torch work of this engine, from loading to every step, on one thread (engine/torch_thread.py)
+        thread = torch_thread()
+        try:
+            return await self._start(thread)
+        except BaseException:
+            thread.shutdown(wait=False)  # the executor never took it over
+            raise
+
+    async def _start(self, thread: ThreadPoolExecutor) -> Engine:
         cfg = self.config
         device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.model.device == "auto" else cfg.model.device)
         if cfg.model.num_threads:
             torch.set_num_threads(cfg.model.num_threads)
         dtype = DTYPES[cfg.model.dtype]
-        loaded = self._loaded or await asyncio.to_thread(
-            load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype
-        )
-        backend = await asyncio.to_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
-        model = await asyncio.to_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
-                                        loaded.gguf, cfg.model.weight_format)
+        on_thread = functools.partial(asyncio.get_running_loop().run_in_executor, thread)
+        loaded = self._loaded or await on_thread(load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype)
+        backend = await on_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
+        model = await on_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
+                                loaded.gguf, cfg.model.weight_format)
         self.tokenizer, name, eos_token_ids = loaded.tokenizer, loaded.name, loaded.eos_token_ids
         if self._loaded is None:
             # Our model holds copies of every weight: free transformers' copy (and unmap its
@@ -86,15 +97,15 @@ class Engine:
             del loaded
             gc.collect()
         shape = model.shape
-        kv_cache = KVCache(shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size, shape.num_kv_heads,
-                           shape.head_dim, dtype, device)
+        kv_cache = await on_thread(KVCache, shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size,
+                                   shape.num_kv_heads, shape.head_dim, dtype, device)
         print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears, "
               f"{model.weight_format} weights; "
               f"KV pool {cfg.cache.num_blocks} blocks x {cfg.cache.block_size} tokens = "
               f"{kv_cache.num_bytes / 2**20:.0f} MiB", file=sys.stderr)
         self.max_model_len = shape.max_position
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
-        self.executor = Executor(model, kv_cache, self._fault_hook)
+        self.executor = Executor(model, kv_cache, self._fault_hook, thread)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scheduler = Scheduler(
             make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager),
@@ -108,8 +119,7 @@ class Engine:
             cfg.scheduler.max_num_seqs,
         )
         if cfg.scheduler.calibrate_step_cost:
-            await asyncio.to_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks,
-                                    shape.max_position)
+            await on_thread(calibrate, self.executor, self.scheduler.cost, cfg.cache.num_blocks, shape.max_position)
         for name, actor in [("block-manager", self.block_manager), ("executor", self.executor),
                             ("scheduler", self.scheduler), ("intake", self.intake)]:
             task = asyncio.create_task(actor.run(), name=f"stepwise-{name}")

@@ -25,17 +25,20 @@ from engine.messages import Execute, ExecutorMsg, PlanItem, Shutdown, StepOutcom
 from engine.model.llama import LlamaModel
 from engine.sampler import sample
 from engine.structured.mask import advance, constrain
+from engine.torch_thread import torch_thread
 
 
 class Executor:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, fault_hook: Callable[[StepPlan], None] | None = None):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, fault_hook: Callable[[StepPlan], None] | None = None,
+                 thread: ThreadPoolExecutor | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         # Test hook: called in the worker thread before each step; may raise to fail it.
         self.fault_hook = fault_hook
         self.inbox: asyncio.Queue[ExecutorMsg] = asyncio.Queue()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-step")
+        # the one thread that runs torch for this engine (engine/torch_thread.py); shut down with the actor
+        self._thread = thread or torch_thread()
 
     async def execute(self, plan: StepPlan) -> StepResult:
         reply = asyncio.get_running_loop().create_future()

@@ -11,8 +11,9 @@ every sequence's own blocks / batch row) and are not timed; a first, untimed ste
 that both sides give the same logits.
 
 Native GGUF weights (second table): steps of R decode rows (R sequences, 32-token contexts)
-with every projection on the GGUF block kernel (fp32 activations, weight_format "gguf"), on
-the same kernel with int8 activations ("gguf-q8"), on the dense fp32 copy (oneDNN), and as the
+with every projection on the GGUF block kernel (fp32 activations, weight_format "gguf"), each
+layer op by op or through the fused layer halves (engine/model/fused_layer.py), on the same
+kernel with int8 activations ("gguf-q8"), on the dense fp32 copy (oneDNN), and as the
 chosen weight_format runs them (the kernel up to NATIVE_MAX_ROWS rows): same model object, the
 per-projection row threshold and activation kind set for each run.
 
@@ -40,6 +41,7 @@ from engine.batch import Seq, flatten_batch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu import cpu_info  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.model.fused_layer import FusedLayers  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.quant_linear import NATIVE_MAX_ROWS, QuantLinear  # noqa: E402
@@ -163,12 +165,13 @@ def bench_decode(loaded, ours: LlamaModel, batch: int, warmup: int, steps: int, 
     return batch / timed(ours_step, warmup, steps), batch / timed(hf_step, warmup, steps)
 
 
-def set_kernel_use(model: LlamaModel, max_rows: int, int8_activations: bool) -> None:
+def set_kernel_use(model: LlamaModel, max_rows: int, int8_activations: bool, fused: bool = True) -> None:
     """Steps of up to max_rows rows run the block kernel (on int8 or fp32 activations), larger
-    ones the dense copy."""
+    ones the dense copy; fp32 kernel steps through the fused layer halves unless `fused` is off."""
     for p in [model.lm_head] + [getattr(w, f) for w in model.layers for f in ("qkv", "o", "gate_up", "down")]:
         if isinstance(p, QuantLinear):
             p.max_rows, p.int8_activations = max_rows, int8_activations
+    model.fused = FusedLayers.for_model(model) if fused else None
 
 
 @torch.inference_mode()
@@ -177,11 +180,11 @@ def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[s
     the model's own weight_format on the same weights."""
     blocks_per_seq = (NATIVE_CONTEXT + 1 + warmup + 5 * steps + 5) // BLOCK + 1
     chosen = ours.weight_format == "gguf-q8"
-    runs = (("kernel", 1 << 30, False), ("kernel-q8", 1 << 30, True), ("dense", 0, False),
-            ("auto", NATIVE_MAX_ROWS, chosen))
+    runs = (("kernel", 1 << 30, False, True), ("kernel-ops", 1 << 30, False, False), ("kernel-q8", 1 << 30, True, False),
+            ("dense", 0, False, False), ("auto", NATIVE_MAX_ROWS, chosen, True))
     out = {}
-    for name, max_rows, int8 in runs:
-        set_kernel_use(ours, max_rows, int8)
+    for name, max_rows, int8, fused in runs:
+        set_kernel_use(ours, max_rows, int8, fused)
         paged = Paged(ours, num_blocks=rows * blocks_per_seq + 1)
         paged.step([(0, list(range(1000, 1000 + NATIVE_CONTEXT)))])
         for s in range(1, rows):
@@ -226,14 +229,15 @@ def main() -> None:
     print(f"cpu: {cpu_info().describe()}; load 1m {os.getloadavg()[0]:.2f}; {args.clock} clock\n", flush=True)
 
     if ours.weight_format in ("gguf", "gguf-q8"):
-        print(f"| decode rows per step (ctx {NATIVE_CONTEXT}) | dense fp32 tok/s | GGUF kernel tok/s | kernel/dense | "
-              f"kernel, int8 activations tok/s | int8/fp32 kernel | {ours.weight_format} (kernel <= {NATIVE_MAX_ROWS} "
-              f"rows) tok/s |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"| decode rows per step (ctx {NATIVE_CONTEXT}) | dense fp32 tok/s | GGUF kernel, op by op tok/s | "
+              f"GGUF kernel, fused layers tok/s | fused/dense | fused/op by op | kernel, int8 activations tok/s | "
+              f"{ours.weight_format} (kernel <= {NATIVE_MAX_ROWS} rows) tok/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in (int(v) for v in args.rows.split(",")):
             t = bench_native(ours, r, warmup=2, steps=args.steps)
-            print(f"| {r} | {t['dense']:,.0f} | {t['kernel']:,.0f} | {t['kernel'] / t['dense']:.2f}x | "
-                  f"{t['kernel-q8']:,.0f} | {t['kernel-q8'] / t['kernel']:.2f}x | {t['auto']:,.0f} |", flush=True)
+            print(f"| {r} | {t['dense']:,.0f} | {t['kernel-ops']:,.0f} | {t['kernel']:,.0f} | "
+                  f"{t['kernel'] / t['dense']:.2f}x | {t['kernel'] / t['kernel-ops']:.2f}x | {t['kernel-q8']:,.0f} | "
+                  f"{t['auto']:,.0f} |", flush=True)
         print()
     if args.skip_hf:
         print(f"total {time.perf_counter() - t0:.0f}s")

@@ -33,6 +33,7 @@ from engine.config import EngineConfig, parse_value
 from engine.cpu import cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
+from engine.torch_thread import in_passing_thread
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -176,7 +177,10 @@ async def _bench(args) -> dict:
         base = EngineConfig.load(args.config if Path(args.config).exists() else None, **_overrides(args.set))
         if args.model:
             base = base.with_overrides(model=args.model)
-        loaded = load_model(base.model.model, base.model.resolved_cache_dir(), DTYPES[base.model.dtype])
+        # loaded on a thread that then exits, as the peers run: only each engine's own thread keeps
+        # torch's OpenMP pool alive while it runs (engine/torch_thread.py)
+        loaded = await in_passing_thread(load_model, base.model.model, base.model.resolved_cache_dir(),
+                                         DTYPES[base.model.dtype])
         if llama_server.NAME in peer_names and loaded.gguf is None:
             raise SystemExit(f"--peer llama.cpp runs the model's GGUF file: {base.model.model!r} is not a GGUF model")
         vocab_size = args.vocab_size or len(loaded.tokenizer)
@@ -202,7 +206,7 @@ async def _bench(args) -> dict:
                 timings, duration = await run_remote(url, None, requests, "", lambda: bar.update())
             steps, start = None, min(t.arrival for t in timings)
         elif overrides is None:
-            run = await asyncio.to_thread(peers.run, name, loaded, requests, settings, lambda: bar.update())
+            run = await in_passing_thread(peers.run, name, loaded, requests, settings, lambda: bar.update())
             timings, duration, steps, start = run.timings, run.duration, None, min(t.arrival for t in run.timings)
         else:
             config = base.with_overrides(**overrides)
@@ -270,7 +274,7 @@ def _ratios(results: dict[str, dict], peer_names: list[str]) -> dict:
 
 async def _compute_limit(config, loaded, vocab_size: int, requests, results: dict[str, dict]) -> dict:
     """Measure both prefill rates; add each target's fraction of the limit to its result."""
-    rates = {"transformers": await asyncio.to_thread(limit.transformers_prefill_rate, loaded, vocab_size),
+    rates = {"transformers": await in_passing_thread(limit.transformers_prefill_rate, loaded, vocab_size),
              "engine": await limit.engine_prefill_rate(config, loaded, vocab_size)}
     limits = {k: limit.output_limit(v, requests) for k, v in rates.items()}
     for r in results.values():
