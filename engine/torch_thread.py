@@ -53,6 +53,8 @@ async def in_passing_thread(fn: Callable[..., T], *args) -> T:
 
     thread = threading.Thread(target=body, name="stepwise-passing", daemon=True)
     thread.start()
-    result = await done
-    thread.join()  # fn has returned: only the thread's exit is left
-    return result
+    try:
+        return await done
+    finally:
+        if not done.cancelled():  # fn has returned or raised: only the thread's exit is left
+            thread.join()
