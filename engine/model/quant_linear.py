@@ -23,15 +23,16 @@ from engine.model import quant_kernel
 from engine.model.gguf_weights import QuantWeight, read_gguf_weights
 from engine.model.linear import Linear
 
-# Steps of up to this many rows use the block kernel: the crossover with oneDNN's fp32 GEMM
-# lies between 16 and 32 rows (examples/bench_forward.py --clock cpu, whole forward, and the
-# projections alone, on an AVX2-only AMD EPYC; not yet measured on an AVX-512 CPU).
-NATIVE_MAX_ROWS = 16
+# Steps of up to this many rows use the block kernel, by the kernel path the CPU runs: the
+# crossover with oneDNN's fp32 GEMM (examples/bench_forward.py, whole forward) lies between 16
+# and 32 rows on an AVX2-only AMD EPYC, and at ~12 rows on an AVX-512 one (AMD EPYC, Zen 4),
+# where oneDNN's GEMM gains more from the wider vectors than the kernel's dequantization does.
+NATIVE_MAX_ROWS = {"avx512": 12, "avx2": 16, "portable": 16}
 
 
 class QuantLinear:
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, dense: Linear | None,
-                 max_rows: int = NATIVE_MAX_ROWS, isa: str | None = None, int8_activations: bool = False):
+                 max_rows: int | None = None, isa: str | None = None, int8_activations: bool = False):
         # parts: row blocks of one type, stacked in order (fused q/k/v, gate/up); bias: [N] or None
         if len({p.qtype for p in parts}) != 1:
             raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
@@ -39,8 +40,8 @@ class QuantLinear:
         self.blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks  # [N, bytes]
         self.bias = bias
         self.dense = dense  # None: every step runs the kernel
-        self.max_rows = max_rows
         self.isa = isa or quant_kernel.best_isa()
+        self.max_rows = NATIVE_MAX_ROWS[self.isa] if max_rows is None else max_rows
         self.int8_activations = int8_activations  # kernel steps: quant_kernel.matmul_q8, else matmul
 
     @property

@@ -31,7 +31,9 @@ from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_
 
 OVERHEAD_NAMES = ("fixed", "sequence")
 SUSTAINED_MIN_S = 5.0  # the sustained slowdown is fitted only when a step was predicted this long
-SPLIT_ROWS = 16  # the GGUF path's kernel / dense switch (quant_linear.NATIVE_MAX_ROWS; not imported: no torch here)
+# the GGUF path's kernel / dense switch on AVX2 CPUs (quant_linear.NATIVE_MAX_ROWS, 12 on AVX-512;
+# not imported: no torch here); only where the piecewise fit splits the steps
+SPLIT_ROWS = 16
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):

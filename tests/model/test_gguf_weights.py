@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 
 from engine.attention.torch_backend import TorchAttention
 from engine.model import quant_kernel
-from engine.model.gguf_weights import read_gguf_weights, rope_unpermute
+from engine.model.gguf_weights import QuantWeight, read_gguf_weights, rope_unpermute
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel
 from engine.model.quant_linear import QuantLinear, native_weights
@@ -95,6 +95,13 @@ def test_tiny_gguf_native_greedy_matches_hf_and_dense(tmp_path):
     prompt = list(range(3, 12))
     # one token at a time: every step runs the block kernel
     assert PagedRunner(native, num_blocks=8).greedy(0, prompt, 12) == PagedRunner(dense, num_blocks=8).greedy(0, prompt, 12)
+
+
+def test_kernel_row_threshold_follows_the_kernel_path():
+    blocks = [QuantWeight(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0", "w")]
+    assert QuantLinear(blocks, None, None, isa="avx512").max_rows == 12  # oneDNN overtakes earlier there
+    assert QuantLinear(blocks, None, None, isa="avx2").max_rows == 16
+    assert QuantLinear(blocks, None, None, isa="portable", max_rows=3).max_rows == 3
 
 
 @kernel
