@@ -9,6 +9,10 @@ plain Llama arithmetic, a step of at most `max_rows` rows runs each layer as:
     attention     the configured backend, unchanged                           (store K/V, attend)
     attn_out_mlp  o projection -> residual -> rms_norm -> gate/up -> silu * up -> down -> residual  (C++)
 
+With the CPU attention backend the loop itself runs in C++ too (`layers_in_one_call`: one call
+a step, the attention kernel called between the halves), which saves the ~30 us of Python per
+layer that slicing q/k/v and calling three ops costs.
+
 Same arithmetic as the op-by-op path (engine/model/csrc/decode_layer_impl.h says where the
 rounding order is kept); only the order of fp32 additions in the norms and products differs,
 as it already does between the kernel and the dense copy. Families with other arithmetic
@@ -24,12 +28,20 @@ from engine.model.quant_linear import QuantLinear
 
 
 class FusedLayers:
-    def __init__(self, layers, eps: float, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, layers, eps: float, heads: int, kv_heads: int, head_dim: int, attention):
         self.layers = layers
         self.eps = eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.max_rows = min(p.max_rows for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
         self._ops = torch.ops.stepwise_gguf
+        # every layer in one call (`layers`): its arguments, flattened per layer, built once
+        projections = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]
+        self._weights = [t for w, (qkv, o, gu, down) in zip(layers, projections)
+                         for t in (w.input_norm.weight, qkv.blocks, o.blocks, w.post_attn_norm.weight, gu.blocks, down.blocks)]
+        self._types = [_type_id(p) for ps in projections for p in ps]
+        self._biases = [p.bias for ps in projections for p in ps]
+        self._isa = quant_kernel.ISAS[layers[0].qkv.isa]
+        self._attention = [(a.scale, a.window or 0, a.softcap or 0.0) for a in attention]
 
     @classmethod
     def for_model(cls, model) -> FusedLayers | None:
@@ -48,7 +60,17 @@ class FusedLayers:
             if w.input_norm.gemma or w.input_norm.weight.dtype != torch.float32:
                 return None
         s = model.shape
-        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim)
+        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention)
+
+    def layers_in_one_call(self, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], kv: torch.Tensor,
+                           plan) -> None:
+        """h [T, E] through every layer in one C++ call, attention by the CPU kernel. rope: each
+        layer's (cos, sin) rows [T, R]; kv: the whole cache [L, 2, blocks, block_size, KVH, D];
+        plan: the CPU attention backend's CpuPlan for this step."""
+        scale, window, softcap = zip(*self._attention)
+        self._ops.layers(h, self._weights, self._types, self._biases, [c for c, _ in rope], [s for _, s in rope],
+                         self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
+                         plan.tiles, plan.block_tables, list(scale), list(window), list(softcap))
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""

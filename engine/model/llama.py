@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_backend import CpuPlan
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.fused_layer import FusedLayers
@@ -174,6 +175,9 @@ class LlamaModel:
         """forward() for a step of few rows on GGUF blocks: each layer is two C++ calls around
         attention (engine/model/fused_layer.py)."""
         spec, fused = self.spec, self.fused
+        if isinstance(prepared, CpuPlan):  # the layer loop in C++ as well
+            fused.layers_in_one_call(h, [rope[key] for key in spec.rope_keys], kv_cache.data, prepared)
+            return self._logits(h, logits_rows)
         num_tokens, q_size = h.shape[0], self.shape.num_heads * self.shape.head_dim
         for i in range(len(self.layers)):
             cos, sin = rope[spec.rope_keys[i]]

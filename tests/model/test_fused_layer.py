@@ -1,6 +1,7 @@
 """The fused layer halves (attn_in, attn_out_mlp): each equals the op-by-op arithmetic on random
 GGUF blocks on every kernel path this CPU runs; a model on GGUF blocks runs its small steps
-through them with the same logits as op by op, and keeps the op-by-op path where it must."""
+through them (with the CPU attention kernel, every layer in one `layers` call) with the same
+logits as op by op, and keeps the op-by-op path where it must."""
 
 from __future__ import annotations
 
@@ -84,6 +85,14 @@ def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_b
     close(got, want)
 
 
+def test_layers_refuses_lists_that_do_not_cover_every_layer():
+    kv = torch.zeros(2, 2, 4, 16, 2, 32)  # 2 layers
+    with pytest.raises(RuntimeError, match="per-layer lists"):
+        OPS.layers(torch.zeros(1, 96), [torch.ones(96)] * 6, [8] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
+                   4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0])
+
+
 def test_attn_out_mlp_refuses_shapes_that_do_not_chain():
     h, attn = torch.randn(1, 96), torch.randn(1, 64)
     o, gu, down = random_blocks("Q8_0", 96, 64, 1), random_blocks("Q8_0", 100, 96, 2), random_blocks("Q8_0", 96, 64, 3)
@@ -102,9 +111,10 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     model = LlamaModel(loaded.hf_model, backend(), gguf=loaded.gguf, weight_format="gguf")
     fused = model.fused
     assert isinstance(fused, FusedLayers) and fused.max_rows == NATIVE_MAX_ROWS[qk.best_isa()] >= 9
-    calls = []
-    attn_in = fused.attn_in
+    calls = []  # rows of each fused call: a layer half (Python loop) or every layer (C++ loop)
+    attn_in, all_layers = fused.attn_in, fused.layers_in_one_call
     fused.attn_in = lambda *a: calls.append(a[1].shape[0]) or attn_in(*a)
+    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
 
     def run(use_fused: bool) -> list[torch.Tensor]:
         model.fused = fused if use_fused else None
@@ -117,7 +127,8 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
         return out
 
     got, want = run(True), run(False)
-    assert calls == [9] * 2 + [3] * 4 + [1] * 4  # two layers a step; the 20-row step never came here
+    # the 20-row step never came here; with the CPU kernel the layer loop is one C++ call a step
+    assert calls == ([9, 3, 3, 1, 1] if backend is CpuAttention else [9] * 2 + [3] * 4 + [1] * 4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))

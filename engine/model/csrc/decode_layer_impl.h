@@ -67,26 +67,62 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
   for (int64_t j = half; j < R; ++j) x[j] = tmp[j] * c[j] + tmp[j - half] * s[j];
 }
 
+// x = rms_norm(h); qkv = x . W^T (+ b); RoPE on the first heads + kv_heads heads of each row
+void attn_in_raw(const float* h, int64_t T, const float* norm_w, float eps, const Proj& p, const float* cos,
+                 const float* sin, int64_t R, int64_t rotated_heads, int64_t head_dim, int64_t isa, float* qkv) {
+  std::vector<float> x(T * p.K);
+  rms_norm(h, T, p.K, norm_w, eps, x.data());
+  project(p, x.data(), p.K, T, qkv, p.N, isa);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hd = 0; hd < rotated_heads; ++hd)  // q heads, then k heads (v is not rotated)
+      rope_head(qkv + t * p.N + hd * head_dim, cos + t * R, sin + t * R, R);
+}
+
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t head_dim) {
+  const int64_t R = cos.size(-1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == T && sin.sizes() == cos.sizes() &&
+                  R <= head_dim && R % 2 == 0 && R <= 512,
+              "stepwise_gguf: cos/sin must be float32 [T, R], R even and <= head_dim");
+}
+
 // h [T, E], norm_w [E], cos/sin [T, R] (rows for the tokens' positions), qkv [T, (H + 2 KVH) D] (written)
 void attn_in(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at::Tensor& blocks, int64_t qtype,
              const c10::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
              int64_t kv_heads, int64_t head_dim, int64_t isa, const at::Tensor& qkv) {
   const Proj p = proj_of(blocks, qtype, bias, isa);
-  const int64_t T = h.size(0), E = p.K, R = cos.size(-1);
-  for (const at::Tensor* t : {&h, &norm_w, &cos, &sin, &qkv})
+  const int64_t T = h.size(0), E = p.K;
+  for (const at::Tensor* t : {&h, &norm_w, &qkv})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "stepwise_gguf.attn_in: float32 contiguous tensors only");
   TORCH_CHECK(h.dim() == 2 && h.size(1) == E && norm_w.numel() == E, "stepwise_gguf.attn_in: h must be [T, ", E, "]");
   TORCH_CHECK(p.N == (heads + 2 * kv_heads) * head_dim && qkv.dim() == 2 && qkv.size(0) == T && qkv.size(1) == p.N,
               "stepwise_gguf.attn_in: qkv must be [T, (heads + 2 kv_heads) head_dim] = [T, ", p.N, "]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && sin.sizes() == cos.sizes() && R <= head_dim && R % 2 == 0 &&
-                  R <= 512, "stepwise_gguf.attn_in: cos/sin must be [T, R], R even and <= head_dim");
-  std::vector<float> x(T * E);
-  rms_norm(h.data_ptr<float>(), T, E, norm_w.data_ptr<float>(), float(eps), x.data());
-  float* out = qkv.data_ptr<float>();
-  project(p, x.data(), E, T, out, p.N, isa);
+  check_rope(cos, sin, T, head_dim);
+  attn_in_raw(h.data_ptr<float>(), T, norm_w.data_ptr<float>(), float(eps), p, cos.data_ptr<float>(),
+              sin.data_ptr<float>(), cos.size(-1), heads + kv_heads, head_dim, isa, qkv.data_ptr<float>());
+}
+
+// h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b); h += (silu(g) * u) . Wd^T (+ b)
+void attn_out_mlp_raw(float* hp, int64_t T, const float* attn, const Proj& o, const float* norm_w, float eps,
+                      const Proj& gu, const Proj& down, int64_t isa) {
+  const int64_t E = o.N, I = down.K;
+  std::vector<float> y(T * E), x(T * E), g(T * 2 * I), a(T * I);
+  project(o, attn, o.K, T, y.data(), E, isa);
+  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
+  rms_norm(hp, T, E, norm_w, eps, x.data());
+  project(gu, x.data(), E, T, g.data(), 2 * I, isa);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor act = at::from_blob(a.data(), {T, I}, f32);
+  at::silu_out(act, at::from_blob(g.data(), {T, I}, {2 * I, 1}, f32));
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t hd = 0; hd < heads + kv_heads; ++hd)  // q heads, then k heads (v is not rotated)
-      rope_head(out + t * p.N + hd * head_dim, cos.data_ptr<float>() + t * R, sin.data_ptr<float>() + t * R, R);
+    for (int64_t i = 0; i < I; ++i) a[t * I + i] *= g[t * 2 * I + I + i];
+  project(down, a.data(), I, T, y.data(), E, isa);
+  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
+}
+
+void check_chain(const Proj& o, const Proj& gu, const Proj& down, int64_t E, int64_t attn_width) {
+  TORCH_CHECK(o.N == E && attn_width == o.K && gu.K == E && gu.N == 2 * down.K && down.N == E,
+              "stepwise_gguf.attn_out_mlp: shapes do not chain (h [T, E], attn [T, H D], gate/up [2I, E], down [E, I])");
 }
 
 // h [T, E] (updated in place), attn [T, H*D]; the MLP is gate/up fused, [2I] rows, then down [E]
@@ -97,23 +133,60 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
                   int64_t isa) {
   const Proj o = proj_of(o_blocks, o_qtype, o_bias, isa), gu = proj_of(gu_blocks, gu_qtype, gu_bias, isa),
              down = proj_of(down_blocks, down_qtype, down_bias, isa);
-  const int64_t T = h.size(0), E = o.N, I = down.K;
   for (const at::Tensor* t : {&h, &attn, &norm_w})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "stepwise_gguf.attn_out_mlp: float32 contiguous tensors only");
-  TORCH_CHECK(h.dim() == 2 && h.size(1) == E && attn.dim() == 2 && attn.size(0) == T && attn.size(1) == o.K &&
-                  norm_w.numel() == E && gu.K == E && gu.N == 2 * I && down.N == E,
-              "stepwise_gguf.attn_out_mlp: shapes do not chain (h [T, E], attn [T, H D], gate/up [2I, E], down [E, I])");
-  float* hp = h.data_ptr<float>();
-  std::vector<float> y(T * E), x(T * E), g(T * 2 * I), a(T * I);
-  project(o, attn.data_ptr<float>(), o.K, T, y.data(), E, isa);
-  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
-  rms_norm(hp, T, E, norm_w.data_ptr<float>(), float(eps), x.data());
-  project(gu, x.data(), E, T, g.data(), 2 * I, isa);
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor act = at::from_blob(a.data(), {T, I}, f32);
-  at::silu_out(act, at::from_blob(g.data(), {T, I}, {2 * I, 1}, f32));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) a[t * I + i] *= g[t * 2 * I + I + i];
-  project(down, a.data(), I, T, y.data(), E, isa);
-  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
+  TORCH_CHECK(h.dim() == 2 && attn.dim() == 2 && attn.size(0) == h.size(0) && norm_w.numel() == h.size(1),
+              "stepwise_gguf.attn_out_mlp: h [T, E], attn [T, H D] and norm_w [E] do not match");
+  check_chain(o, gu, down, h.size(1), attn.size(1));
+  attn_out_mlp_raw(h.data_ptr<float>(), h.size(0), attn.data_ptr<float>(), o, norm_w.data_ptr<float>(), float(eps), gu,
+                   down, isa);
+}
+
+// Every layer of a step in one call, with the CPU attention kernel (stepwise_cpu::paged_attention,
+// engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv blocks,
+// o blocks, post-attention norm, gate/up blocks, down blocks; types[4 l ..] and biases[4 l ..] =
+// those of qkv, o, gate/up, down; cos/sin[l] = the layer's rotary rows [T, R]; scale/window/softcap
+// [l] = its attention. kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables
+// as the attention kernel takes them (CpuPlan).
+void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
+            const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos, at::TensorList sin, int64_t heads,
+            int64_t kv_heads, int64_t head_dim, double eps, int64_t isa, const at::Tensor& kv,
+            const at::Tensor& slot_mapping, const at::Tensor& tiles, const at::Tensor& block_tables,
+            at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap) {
+  static const auto attention =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("stepwise_cpu::paged_attention", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                      double)>();
+  const int64_t L = kv.size(0), T = h.size(0), E = h.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(int64_t(weights.size()) == 6 * L && int64_t(types.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
+                  int64_t(cos.size()) == L && int64_t(sin.size()) == L && int64_t(scale.size()) == L &&
+                  int64_t(window.size()) == L && int64_t(softcap.size()) == L,
+              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/1 entries for each of the ", L, " layers");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
+                  kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
+              "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32 [L, 2, blocks, block_size, KVH, D]");
+  const at::Tensor qkv = at::empty({T, q_size + 2 * kv_size}, h.options());
+  const at::Tensor out = at::empty({T, heads, head_dim}, h.options());
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor *w = &weights[6 * l], *norm1 = w, *norm2 = w + 3;
+    const Proj pqkv = proj_of(w[1], types[4 * l], biases.get(4 * l), isa), o = proj_of(w[2], types[4 * l + 1], biases.get(4 * l + 1), isa),
+               gu = proj_of(w[4], types[4 * l + 2], biases.get(4 * l + 2), isa),
+               down = proj_of(w[5], types[4 * l + 3], biases.get(4 * l + 3), isa);
+    TORCH_CHECK(pqkv.K == E && pqkv.N == q_size + 2 * kv_size && norm1->numel() == E && norm2->numel() == E &&
+                    norm1->scalar_type() == at::kFloat && norm2->scalar_type() == at::kFloat && norm1->is_contiguous() &&
+                    norm2->is_contiguous(), "stepwise_gguf.layers: layer ", l, "'s qkv projection or norms do not fit h");
+    check_chain(o, gu, down, E, q_size);
+    check_rope(cos[l], sin[l], T, head_dim);
+    attn_in_raw(h.data_ptr<float>(), T, norm1->data_ptr<float>(), float(eps), pqkv, cos[l].data_ptr<float>(),
+                sin[l].data_ptr<float>(), cos[l].size(-1), heads + kv_heads, head_dim, isa, qkv.data_ptr<float>());
+    const at::Tensor layer_kv = kv.select(0, l);
+    attention.call(q, k, v, layer_kv.select(0, 0), layer_kv.select(0, 1), slot_mapping, tiles, block_tables, out,
+                   scale[l], window[l], softcap[l]);
+    attn_out_mlp_raw(h.data_ptr<float>(), T, out.data_ptr<float>(), o, norm2->data_ptr<float>(), float(eps), gu, down, isa);
+  }
 }

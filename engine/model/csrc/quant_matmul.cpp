@@ -1,9 +1,9 @@
 // y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations
 // and fp32 accumulation, plus the dequantization itself; and the same product with x quantized
 // to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
-// registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, and the fused
-// layer halves attn_in / attn_out_mlp (decode_layer_impl.h) that run a layer's work around
-// attention in two calls.
+// registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, the fused layer
+// halves attn_in / attn_out_mlp (decode_layer_impl.h) that run a layer's work around attention
+// in two calls, and `layers`, every layer of a step in one call around the CPU attention kernel.
 //
 // One build serves every x86-64 CPU: the kernel body (quant_matmul_impl.h) is compiled three
 // times, for AVX-512, for AVX2+FMA (target pragmas, never -march=native) and portably (the
@@ -12,6 +12,8 @@
 // Work is split over output rows with at::parallel_for (torch's intra-op threads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/Half.h>
@@ -242,6 +244,10 @@ TORCH_LIBRARY(stepwise_gguf, m) {
   m.def("attn_out_mlp(Tensor(a!) h, Tensor attn, Tensor o_blocks, int o_qtype, Tensor? o_bias, Tensor norm_w, "
         "float eps, Tensor gu_blocks, int gu_qtype, Tensor? gu_bias, Tensor down_blocks, int down_qtype, "
         "Tensor? down_bias, int isa) -> ()");
+  m.def("layers(Tensor(a!) h, Tensor[] weights, int[] types, Tensor?[] biases, Tensor[] cos, Tensor[] sin, int heads, "
+        "int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, Tensor slot_mapping, Tensor tiles, "
+        "Tensor block_tables, float[] scale, int[] window, float[] softcap) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
+  m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
   m.impl("attn_out_mlp", c10::DispatchKey::CPU, TORCH_FN(attn_out_mlp));
 }
