@@ -30,6 +30,7 @@ def cpu_tag() -> str:
         import platform
 
         key = platform.machine() + platform.processor()
+    key += os.environ.get("STEPWISE_CPU_FEATURES", "*")  # a restricted build is another build (engine/cpu.py)
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 

@@ -2,11 +2,18 @@
 
 Read once from /proc/cpuinfo (Linux); elsewhere the flags are empty and every kernel takes its
 portable path. Benchmarks record `cpu_info().as_dict()` so a figure names the machine it came from.
+
+STEPWISE_CPU_FEATURES="avx2,fma" (any subset of this CPU's FEATURES, comma-separated; "" = none)
+makes our kernels behave as on a CPU with only those features: their paths, row thresholds and
+compiler flags follow it, and benchmarks record the restriction. It is for measuring what an
+older CPU would see on a newer one (torch's own kernels take ATEN_CPU_CAPABILITY and
+ONEDNN_MAX_CPU_ISA for the same); naming a feature this CPU lacks is an error.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 import msgspec
@@ -15,10 +22,14 @@ import msgspec
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
 
 
+RESTRICT_ENV = "STEPWISE_CPU_FEATURES"
+
+
 class CpuInfo(msgspec.Struct, frozen=True):
     model: str
-    features: tuple[str, ...]  # the subset of FEATURES this CPU has
+    features: tuple[str, ...]  # the subset of FEATURES this CPU has (or that RESTRICT_ENV leaves)
     num_logical_cores: int
+    restricted_from: tuple[str, ...] | None = None  # the CPU's own features, where RESTRICT_ENV narrowed them
 
     def has(self, feature: str) -> bool:
         return feature in self.features
@@ -29,10 +40,37 @@ class CpuInfo(msgspec.Struct, frozen=True):
         return self.has("avx512_vnni") or self.has("avx_vnni")
 
     def as_dict(self) -> dict:
-        return {"model": self.model, "features": list(self.features), "num_logical_cores": self.num_logical_cores}
+        out = {"model": self.model, "features": list(self.features), "num_logical_cores": self.num_logical_cores}
+        if self.restricted_from is not None:
+            out["restricted_from"] = list(self.restricted_from)
+        return out
 
     def describe(self) -> str:
-        return f"{self.model} ({', '.join(self.features) or 'no x86 SIMD features'}; {self.num_logical_cores} cores)"
+        restricted = "" if self.restricted_from is None else f", restricted by {RESTRICT_ENV} from {', '.join(self.restricted_from)}"
+        return (f"{self.model} ({', '.join(self.features) or 'no x86 SIMD features'}; {self.num_logical_cores} cores"
+                f"{restricted})")
+
+    def compiler_flags(self) -> list[str]:
+        """Flags for a kernel built for this CPU: -march=native, or, when restricted, just the
+        instruction sets left (so the build cannot use what the restriction removed)."""
+        if self.restricted_from is None:
+            return ["-march=native"]
+        flags = {"avx2": ["-mavx2", "-mf16c"], "fma": ["-mfma"], "avx512f": ["-mavx512f"], "avx512bw": ["-mavx512bw"],
+                 "avx512_vnni": ["-mavx512vnni"], "avx_vnni": ["-mavxvnni"], "avx512_bf16": ["-mavx512bf16"],
+                 "amx_tile": ["-mamx-tile"]}
+        return [f for feature in self.features for f in flags[feature]]
+
+    def restricted(self, spec: str) -> CpuInfo:
+        """This CPU as if it had only the features named in `spec` (comma-separated)."""
+        wanted = [f.strip() for f in spec.split(",") if f.strip()]
+        unknown = [f for f in wanted if f not in FEATURES]
+        if unknown:
+            raise ValueError(f"{RESTRICT_ENV}: unknown feature(s) {unknown}; choose from {FEATURES}")
+        missing = [f for f in wanted if not self.has(f)]
+        if missing:
+            raise ValueError(f"{RESTRICT_ENV}: this CPU ({self.describe()}) lacks {missing}")
+        return CpuInfo(self.model, tuple(f for f in self.features if f in wanted), self.num_logical_cores,
+                       restricted_from=self.features)
 
 
 def parse_cpuinfo(text: str) -> CpuInfo:
@@ -53,7 +91,8 @@ def parse_cpuinfo(text: str) -> CpuInfo:
 def cpu_info() -> CpuInfo:
     try:
         with open("/proc/cpuinfo") as f:
-            return parse_cpuinfo(f.read())
+            info = parse_cpuinfo(f.read())
     except OSError:
-        import os
-        return CpuInfo(platform.processor() or platform.machine(), (), os.cpu_count() or 1)
+        info = CpuInfo(platform.processor() or platform.machine(), (), os.cpu_count() or 1)
+    spec = os.environ.get(RESTRICT_ENV)
+    return info if spec is None else info.restricted(spec)

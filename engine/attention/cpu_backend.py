@@ -6,7 +6,8 @@ much as the attention itself. `CpuAttention` reads the cache in place through th
 (csrc/paged_attention.cpp): one work item per (tile of query tokens, kv head), online softmax
 in fp32, cached context then the step's fresh keys. Same semantics as backend.py.
 
-The kernel is compiled at first use (engine/cpp_build.py: -O3 -march=native, falling back to
+The kernel is compiled at first use (engine/cpp_build.py: -O3 -march=native, or the flags of
+STEPWISE_CPU_FEATURES where that restricts the CPU (engine/cpu.py), falling back to
 -O3; at::parallel_for follows torch.get_num_threads()). A failed build raises RuntimeError;
 `cpu_kernel_available()` lets the engine ask first. float32 and bfloat16 (fp32 accumulation).
 """
@@ -21,6 +22,7 @@ import torch
 from engine.attention.backend import LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.cpp_build import KernelLoader, build_extension, cpu_tag
+from engine.cpu import cpu_info
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 _TOKENS_PER_TILE = 8  # query tokens of one sequence per work item (x G heads = its rows)
@@ -28,7 +30,7 @@ _TOKENS_PER_TILE = 8  # query tokens of one sequence per work item (x G heads = 
 
 def _build() -> None:
     """Compile and load the kernel (registers torch.ops.stepwise_cpu.paged_attention)."""
-    variants = [(f"native_{cpu_tag()}", ["-O3", "-march=native"]), ("generic", ["-O3"])]
+    variants = [(f"native_{cpu_tag()}", ["-O3", *cpu_info().compiler_flags()]), ("generic", ["-O3"])]
     build_extension("stepwise_paged_attention", [_SOURCE], variants, "CPU attention kernel")
 
 
