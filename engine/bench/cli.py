@@ -288,8 +288,10 @@ def main(argv=None) -> None:
     summary = asyncio.run(_bench(args))
     print(f"\nworkload {summary['workload']} (seed {summary['seed']}, {summary['num_requests']} requests)")
     cpu = summary["cpu"]
+    restricted = (f", restricted by STEPWISE_CPU_FEATURES from {', '.join(cpu['restricted_from'])}"
+                  if "restricted_from" in cpu else "")
     print(f"cpu: {cpu['model']} ({', '.join(cpu['features']) or 'no SIMD features listed'}; "
-          f"{cpu['num_logical_cores']} cores); load 1m {summary['load_avg_1m']['start']:.2f} -> "
+          f"{cpu['num_logical_cores']} cores{restricted}); load 1m {summary['load_avg_1m']['start']:.2f} -> "
           f"{summary['load_avg_1m']['end']:.2f}\n")
     print(report.table(summary["results"]))
     for key in ("continuous_over_static_throughput", "chunked_over_continuous", "throughput_over_peers",
