@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.cpu import RESTRICT_ENV
+
 _STALE_LOCK_S = 600  # a build takes well under a minute
 
 
@@ -30,7 +32,7 @@ def cpu_tag() -> str:
         import platform
 
         key = platform.machine() + platform.processor()
-    key += os.environ.get("STEPWISE_CPU_FEATURES", "*")  # a restricted build is another build (engine/cpu.py)
+    key += os.environ.get(RESTRICT_ENV, "*")  # a restricted CPU's build is another build (engine/cpu.py)
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from engine.bench import limit, llama_server, peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
 from engine.config import EngineConfig, parse_value
-from engine.cpu import cpu_info
+from engine.cpu import RESTRICT_ENV, cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
 from engine.torch_thread import in_passing_thread
@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     summary = asyncio.run(_bench(args))
     print(f"\nworkload {summary['workload']} (seed {summary['seed']}, {summary['num_requests']} requests)")
     cpu = summary["cpu"]
-    restricted = (f", restricted by STEPWISE_CPU_FEATURES from {', '.join(cpu['restricted_from'])}"
+    restricted = (f", restricted by {RESTRICT_ENV} from {', '.join(cpu['restricted_from'])}"
                   if "restricted_from" in cpu else "")
     print(f"cpu: {cpu['model']} ({', '.join(cpu['features']) or 'no SIMD features listed'}; "
           f"{cpu['num_logical_cores']} cores{restricted}); load 1m {summary['load_avg_1m']['start']:.2f} -> "

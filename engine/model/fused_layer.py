@@ -41,7 +41,9 @@ class FusedLayers:
         self._types = [_type_id(p) for ps in projections for p in ps]
         self._biases = [p.bias for ps in projections for p in ps]
         self._isa = quant_kernel.ISAS[layers[0].qkv.isa]
-        self._attention = [(a.scale, a.window or 0, a.softcap or 0.0) for a in attention]
+        self._scale = [a.scale for a in attention]
+        self._window = [a.window or 0 for a in attention]
+        self._softcap = [a.softcap or 0.0 for a in attention]
 
     @classmethod
     def for_model(cls, model) -> FusedLayers | None:
@@ -49,15 +51,13 @@ class FusedLayers:
         op-by-op path."""
         spec = model.spec
         plain = not spec.gemma_norms and spec.activation == "silu" and model.device.type == "cpu"
-        if not plain or model.embed.dtype != torch.float32:
+        if not plain or model.embed.dtype != torch.float32:  # the norms' weights share the model's dtype
             return None
         for w in model.layers:
             projections = (w.qkv, w.o, w.gate_up, w.down)
             if w.q_norm is not None or w.pre_ff_norm is not None or w.post_ff_norm is not None:
                 return None
             if not all(isinstance(p, QuantLinear) and not p.int8_activations for p in projections):
-                return None
-            if w.input_norm.gemma or w.input_norm.weight.dtype != torch.float32:
                 return None
         s = model.shape
         return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention)
@@ -67,10 +67,9 @@ class FusedLayers:
         """h [T, E] through every layer in one C++ call, attention by the CPU kernel. rope: each
         layer's (cos, sin) rows [T, R]; kv: the whole cache [L, 2, blocks, block_size, KVH, D];
         plan: the CPU attention backend's CpuPlan for this step."""
-        scale, window, softcap = zip(*self._attention)
         self._ops.layers(h, self._weights, self._types, self._biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
-                         plan.tiles, plan.block_tables, list(scale), list(window), list(softcap))
+                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap)
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""
