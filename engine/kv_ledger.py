@@ -51,11 +51,12 @@ class KVLedger:
         """Plan for a running request to hold `num_tokens` tokens. False: no room."""
         held = self.held.get(request_id, 0)
         need = self.blocks_for(num_tokens) - held + (request_id in self._cow)
+        if need <= 0:
+            return True  # inside the blocks it holds (most decodes): the pool has nothing to do
         if need > self.num_free_blocks:
             return False
-        if need > 0:
-            self.num_free_blocks -= need
-            self.held[request_id] = held + need
+        self.num_free_blocks -= need
+        self.held[request_id] = held + need
         self._grows[request_id] = (num_tokens, self._grows.get(request_id, (0, held))[1])
         return True
 

@@ -14,6 +14,7 @@ import msgspec
 
 from engine.output_buffer import OutputBuffer
 from engine.request import Request, SamplingParams
+from engine.step_cost import StepShape
 
 # --- public records (serialisable: the HTTP frontend streams them as JSON) ------------------
 
@@ -162,6 +163,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's admissions
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
+    shape: StepShape | None = None  # what the cost model sees of it (set by the scheduler; None: a hand-made plan)
     block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward (copy-on-write)
 
     @property

@@ -3,7 +3,9 @@ and progress when the scheduler makes the step's plan."""
 
 from __future__ import annotations
 
-from engine.messages import Penalties
+import msgspec
+
+from engine.messages import Penalties, PlanItem
 from engine.request import Request
 
 
@@ -20,6 +22,8 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
         return fields
     if req.fixed_sampling is None:
         req.fixed_sampling = _fixed_fields(req)
+    if not (fields or req.pending_forks or p.has_penalties or len(req.output_token_ids) < p.min_tokens):
+        return req.fixed_sampling  # most steps: nothing of this step's own (callers only unpack it)
     fields.update(req.fixed_sampling)
     if req.pending_forks:  # n > 1: the other choices' first tokens come from this row
         fields["forks"] = [(c.request_id, c.generator, c.grammar) for c in req.pending_forks]
@@ -47,4 +51,14 @@ def _fixed_fields(req: Request) -> dict:
         fields["logit_bias"] = [(t, float(b)) for t, b in p.logit_bias.items()]
     if p.logprobs is not None:
         fields["logprobs"] = p.logprobs
-    return fields
+    # a value equal to the item's default is left out: a keyword costs a PlanItem more than
+    # its other fields together (a greedy request's items then take none)
+    return {k: v for k, v in fields.items() if not _is_default(k, v)}
+
+
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(PlanItem)}
+
+
+def _is_default(name: str, value) -> bool:
+    default = _DEFAULTS.get(name, msgspec.NODEFAULT)
+    return value is default or type(value) is type(default) and value == default

@@ -10,10 +10,12 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from engine.request import Status
+
 if TYPE_CHECKING:
     from engine.policies.base import Decision
-    from engine.step_cost import StepShape
     from engine.request import Request
+    from engine.step_cost import StepShape
     from engine.scheduler import Scheduler
 
 
@@ -52,7 +54,8 @@ class PlanView:
         return sorted(self._s.running, key=attrgetter("sort_key"))
 
     def is_running(self, req: Request) -> bool:
-        return self._s.is_running(req)
+        """Still running (planning may preempt a request it saw in the queue)."""
+        return req.status is Status.RUNNING
 
     def grow(self, req: Request, num_new_tokens: int, decisions: list[Decision]) -> bool:
         """Room for a running request's next tokens, preempting the lowest-priority newest

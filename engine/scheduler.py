@@ -22,8 +22,6 @@ import bisect
 import time
 from collections.abc import Callable
 
-import msgspec
-
 from engine.block_manager import BlockManagerClient, KVGrant
 from engine.kv_ledger import KVLedger
 from engine.messages import (
@@ -105,13 +103,10 @@ class Scheduler:
                     return
                 await self._idle()
                 continue
-            plan = self._make_plan(decisions)
-            shape = plan_shape(plan)  # once a step: the prediction below and the fit after it
-            if self.cost.is_fitted:
-                plan = msgspec.structs.replace(plan, predicted_s=self.cost.predict(shape))
+            plan = self._make_plan(decisions)  # with its shape and predicted forward time
             result = await self.execute(plan)
             if result.error is None:
-                self.cost.observe(shape, result.forward_s, plan.predicted_s)
+                self.cost.observe(plan.shape, result.forward_s, plan.predicted_s)
             stats = self._update(decisions, result)
             self.policy.end_step(self.view)  # e.g. static: a batch whose requests all finished leaves now
             self._publish(plan, result, stats)
@@ -185,9 +180,6 @@ class Scheduler:
         return True
 
     # --- what the plan view offers the policies ---------------------------------------
-
-    def is_running(self, req: Request) -> bool:
-        return req.status is Status.RUNNING
 
     def grow(self, req: Request, num_new_tokens: int, decisions: list[Decision]) -> bool:
         while not self.ledger.grow(req.request_id, req.num_computed_tokens + num_new_tokens):
@@ -311,29 +303,35 @@ class Scheduler:
 
     def _make_plan(self, decisions: list[Decision]) -> StepPlan:
         self.step += 1
-        items = []
+        items, dims = [], []  # dims: (tokens, start, is a decode) of each item, for the step's shape
         for d in decisions:
             req = d.request
             start = req.num_computed_tokens
-            pads = [self.pad_token_id] * d.num_padding
             table = self.ledger.tables[req.request_id]
             if d.num_tokens == 0:  # a finished request's place in a static batch
                 items.append(PlanItem(
-                    request_id=req.request_id, kind="padding", token_ids=pads, start_pos=start, block_table=table,
-                    sample=False, num_padding=d.num_padding,
+                    request_id=req.request_id, kind="padding", token_ids=[self.pad_token_id] * d.num_padding,
+                    start_pos=start, block_table=table, sample=False, num_padding=d.num_padding,
                 ))
+                dims.append((d.num_padding, start, False))
                 continue
             sample = start + d.num_tokens == req.num_tokens
-            kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
+            decode = d.num_tokens == 1 and sample and bool(req.output_token_ids)
+            tokens = req.token_slice(start, start + d.num_tokens)
+            if d.num_padding:
+                tokens += [self.pad_token_id] * d.num_padding
             items.append(PlanItem(
-                request_id=req.request_id, kind=kind, token_ids=req.token_slice(start, start + d.num_tokens) + pads,
+                request_id=req.request_id, kind="decode" if decode else "prefill", token_ids=tokens,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
                 **sampling_fields(req, start, d.num_tokens, sample),
             ))
+            dims.append((len(tokens), start, decode))
         cached, self._cached_this_step = self._cached_this_step, 0
         queried, self._queried_this_step = self._queried_this_step, 0
+        shape = shape_of(dims)  # pad tokens are computed too: they count
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
-                        num_prefix_queries=queried, block_copies=self.ledger.take_copies())
+                        num_prefix_queries=queried, block_copies=self.ledger.take_copies(), shape=shape,
+                        predicted_s=self.cost.predict(shape) if self.cost.is_fitted else None)
 
     def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
         if result.error is not None:

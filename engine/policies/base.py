@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     """Give `request` its next `num_tokens` tokens this step, then `num_padding` pad tokens in
     the same sequence (static batching: they attend to the request's context at the positions

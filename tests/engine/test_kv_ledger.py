@@ -28,8 +28,8 @@ def test_the_ledger_tracks_the_pool_exactly_without_sharing(seed):
             if rng.random() < 0.2:
                 ledger.free(rid)
                 del tokens[rid]
-            elif ledger.grow(rid, tokens[rid] + rng.randint(1, 6)):
-                tokens[rid] = ledger._grows[rid][0]
+            elif ledger.grow(rid, n := tokens[rid] + rng.randint(1, 6)):
+                tokens[rid] = n
         rid = f"r{step}"
         want = rng.randint(1, 20)
         if got := ledger.admit(rid, [7] * want, False, want, rng.choice([1, want])):
@@ -40,6 +40,18 @@ def test_the_ledger_tracks_the_pool_exactly_without_sharing(seed):
         assert ledger.num_free_blocks == manager.figures.num_free_blocks
         assert {r: len(t) for r, t in ledger.tables.items()} == {r: ledger.held[r] for r in ledger.tables}
         assert sum(ledger.held.values()) == 24 - ledger.num_free_blocks
+
+
+def test_a_growth_inside_the_blocks_held_sends_nothing():
+    manager, ledger = BlockManager(8, 4, enable_prefix_caching=False), KVLedger(8, 4)
+    ledger.admit("a", [1, 2, 3], False, 3, 3)
+    table = settle(manager, ledger).tables["a"]
+    assert ledger.grow("a", 4)  # the 4th token fits the block it holds: the pool has nothing to do
+    assert ledger.take().grows == []
+    assert ledger.grow("a", 5)  # the 5th needs a second block
+    grant = settle(manager, ledger)
+    assert list(grant.tables) == ["a"] and ledger.tables["a"] is table and len(table) == 2
+    assert ledger.held["a"] == 2 and ledger.num_free_blocks == manager.figures.num_free_blocks == 6
 
 
 def test_an_admission_finds_its_prefix_hits_in_the_pool():
