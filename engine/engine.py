@@ -38,7 +38,7 @@ from engine.output_buffer import OutputBuffer
 from engine.policies import make_policy
 from engine.request import MAX_N, SamplingParams
 from engine.scheduler import Scheduler
-from engine.step_cost import CostFigures
+from engine.step_cost import CostFigures, StepCostModel
 from engine.step_cost_calibration import calibrate
 from engine.torch_thread import torch_thread
 
@@ -110,7 +110,7 @@ class Engine:
         self.scheduler = Scheduler(
             make_policy(cfg.scheduler.policy, cfg), BlockManagerClient(self.block_manager),
             KVLedger(cfg.cache.num_blocks, cfg.cache.block_size), self.executor.execute, self._broadcast, pad,
-            cfg.scheduler.priority_aging_s,
+            cfg.scheduler.priority_aging_s, cost=StepCostModel(split_rows=model.small_step_rows),
         )
         self.intake = Intake(
             self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,

@@ -50,6 +50,7 @@ class Scheduler:
         pad_token_id: int,
         priority_aging_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        cost: StepCostModel | None = None,
     ):
         self.policy = policy
         self.kv = kv
@@ -60,7 +61,7 @@ class Scheduler:
         self.priority_aging_s = priority_aging_s
         self.clock = clock  # what "now" is for aging (tests pass a fake one)
         self.outputs = OutputProcessor(clock)
-        self.cost = StepCostModel()  # fitted from every step's forward time
+        self.cost = cost or StepCostModel()  # fitted from every step's forward time
         self.view = PlanView(self)
         self.inbox: asyncio.Queue[SchedulerMsg] = asyncio.Queue()
         self.waiting: list[Request] = []  # sorted by (priority, arrival)

@@ -65,15 +65,81 @@ def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
 class CostFigures(msgspec.Struct, frozen=True, kw_only=True):
     """What /v1/engine/state shows of the model."""
 
-    coefficients: dict[str, float]  # seconds per unit of each term
+    coefficients: dict[str, float]  # seconds per unit of each term (with split_rows: the larger steps)
     r2: float | None
     num_samples: int
     last_predicted_s: float | None
     last_actual_s: float | None
+    split_rows: int | None = None  # steps of at most this many rows are fitted apart, here:
+    small_coefficients: dict[str, float] | None = None
+    small_r2: float | None = None
 
 
 class StepCostModel:
-    def __init__(self, window: int = 256, refit_every: int = 8):
+    """The live model. With `split_rows` (the most rows a step runs on the quantized-weight
+    kernels, `LlamaModel.small_step_rows`), steps of at most that many rows (tokens) are fitted
+    apart from the larger ones: the kernels and the dense GEMM are two different lines (at one
+    thread on AVX-512, 8 decodes took 73 ms on the kernels and 32 took 140 ms on the GEMM), and
+    one line through both mispredicts the steps a run is made of. A side not fitted yet is
+    predicted by the other."""
+
+    def __init__(self, window: int = 256, refit_every: int = 8, split_rows: int | None = None):
+        self.split_rows = split_rows
+        self.large = Fit(window, refit_every)  # every step, or those above split_rows
+        self.small = Fit(window, refit_every) if split_rows is not None else None
+        self.last_predicted_s: float | None = None
+        self.last_actual_s: float | None = None
+
+    def _side(self, shape: StepShape) -> Fit:
+        if self.small is not None and shape.prefill_tokens + shape.decode_tokens <= self.split_rows:
+            return self.small
+        return self.large
+
+    @property
+    def is_fitted(self) -> bool:
+        return self.large.is_fitted or self.small is not None and self.small.is_fitted
+
+    @property
+    def num_samples(self) -> int:
+        return self.large.num_samples + (self.small.num_samples if self.small is not None else 0)
+
+    @property
+    def coef(self) -> np.ndarray:
+        return self.large.coef
+
+    @property
+    def r2(self) -> float | None:
+        return self.large.r2
+
+    def predict(self, shape: StepShape) -> float:
+        side = self._side(shape)
+        if not side.is_fitted:
+            side = self.small if side is self.large and self.small is not None else self.large
+        return side.predict(shape)
+
+    def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
+        self._side(shape).observe(shape, seconds)
+        self.last_predicted_s, self.last_actual_s = predicted, seconds
+
+    def fit(self) -> None:
+        self.large.fit()
+        if self.small is not None:
+            self.small.fit()
+
+    def figures(self) -> CostFigures:
+        small = self.small
+        return CostFigures(
+            coefficients=self.large.coefficients(), r2=self.large.r2, num_samples=self.num_samples,
+            last_predicted_s=self.last_predicted_s, last_actual_s=self.last_actual_s, split_rows=self.split_rows,
+            small_coefficients=small.coefficients() if small is not None else None,
+            small_r2=small.r2 if small is not None else None,
+        )
+
+
+class Fit:
+    """One line through the last `window` steps, refitted every `refit_every` of them."""
+
+    def __init__(self, window: int, refit_every: int):
         self.window = window
         self.refit_every = refit_every
         # the last `window` steps in a ring (row i % window): fitting reads them without a copy
@@ -84,8 +150,6 @@ class StepCostModel:
         self._coef = (0.0,) * len(NAMES)  # the same as floats: predict() is called ~10 times a step
         self.r2: float | None = None
         self._since_fit = 0
-        self.last_predicted_s: float | None = None
-        self.last_actual_s: float | None = None
 
     @property
     def is_fitted(self) -> bool:
@@ -95,17 +159,19 @@ class StepCostModel:
     def num_samples(self) -> int:
         return min(self._num_seen, self.window)
 
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(NAMES, self._coef))
+
     def predict(self, shape: StepShape) -> float:
         c = self._coef
         return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens + c[3] * shape.num_seqs
                 + c[4] * shape.attention_work)
 
-    def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> None:
         row = self._num_seen % self.window
         self._x[row] = shape.features()
         self._y[row] = seconds
         self._num_seen += 1
-        self.last_predicted_s, self.last_actual_s = predicted, seconds
         self._since_fit += 1
         if self._since_fit >= self.refit_every or not self.is_fitted and self.num_samples >= len(NAMES):
             self.fit()
@@ -123,12 +189,6 @@ class StepCostModel:
         residual = y - x @ self.coef
         total = float(((y - y.mean()) ** 2).sum())
         self.r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
-
-    def figures(self) -> CostFigures:
-        return CostFigures(
-            coefficients=dict(zip(NAMES, self._coef)), r2=self.r2, num_samples=self.num_samples,
-            last_predicted_s=self.last_predicted_s, last_actual_s=self.last_actual_s,
-        )
 
 
 def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -15,9 +15,12 @@ DECODE_BATCHES = ((1, 64), (8, 256), (32, 128), (64, 64))  # (sequences, context
 PREFILL_CHUNKS = ((32, 0), (128, 0), (256, 256), (512, 0))  # (tokens, context)
 
 
-def calibration_plans(block_size: int, num_blocks: int, max_len: int) -> list[StepPlan]:
+def calibration_plans(block_size: int, num_blocks: int, max_len: int, split_rows: int | None = None) -> list[StepPlan]:
+    """`split_rows`: the cost model fits steps of at most that many rows apart; a decode batch
+    of that size gives its small side a point at its edge."""
     plans = []
-    for seqs, ctx in DECODE_BATCHES:
+    batches = DECODE_BATCHES if split_rows is None else sorted({*DECODE_BATCHES, (split_rows, 128)})
+    for seqs, ctx in batches:
         plans.append(_plan([(1, ctx)] * seqs, block_size, num_blocks, max_len))
     for tokens, ctx in PREFILL_CHUNKS:
         plans.append(_plan([(tokens, ctx)], block_size, num_blocks, max_len))
@@ -41,7 +44,7 @@ def _plan(items: list[tuple[int, int]], block_size: int, num_blocks: int, max_le
 
 
 def calibrate(executor, model: StepCostModel, num_blocks: int, max_len: int, rounds: int = 2) -> None:
-    plans = calibration_plans(executor.block_size, num_blocks, max_len)
+    plans = calibration_plans(executor.block_size, num_blocks, max_len, model.split_rows)
     if not plans:
         return
     executor.run_plan(plans[0])  # warm-up: first-call costs (kernel loads) are not a step's

@@ -77,6 +77,16 @@ class LlamaModel:
         # steps of few rows on GGUF blocks run each layer in two C++ calls (None: op by op)
         self.fused = FusedLayers.for_model(self)
 
+    @property
+    def small_step_rows(self) -> int | None:
+        """The most rows (tokens) a step runs on the GGUF kernels before the dense copies take
+        over: the step-cost model fits the two regimes apart. None: every step runs one path."""
+        if self.fused is not None:
+            return self.fused.max_rows
+        rows = [lin.max_rows for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)
+                if isinstance(lin, QuantLinear) and lin.dense is not None]
+        return min(rows) if rows else None
+
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of a weight on our device: nothing is shared with the transformers model,
         which can then be freed (and its memory-mapped weight file unmapped)."""

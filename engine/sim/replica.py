@@ -27,7 +27,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler, plan_shape
 from engine.sim.calibration import Calibration
 from engine.sim.noise import StepNoise
-from engine.step_cost import StepShape
+from engine.step_cost import StepCostModel, StepShape
 from engine.step_cost_calibration import calibrate
 
 SAMPLED_TOKEN = 1  # every simulated step samples this id; no request has an EOS id
@@ -111,6 +111,7 @@ class SimReplica:
             make_policy(c.scheduler.policy, c), BlockManagerClient(self.manager),
             KVLedger(c.cache.num_blocks, c.cache.block_size), self.executor.execute, publish, pad_token_id=0,
             priority_aging_s=c.scheduler.priority_aging_s, clock=loop.time,
+            cost=StepCostModel(split_rows=calibration.split_rows),  # the regimes the calibration found
         )
         if c.scheduler.calibrate_step_cost:  # as Engine.start does, on the stand-in executor
             calibrate(self.executor, self.scheduler.cost, c.cache.num_blocks, self.max_model_len)

@@ -84,3 +84,48 @@ def test_fits_only_the_last_window_of_steps():
     assert model.figures().num_samples == 32
     s = random_step(rng)
     assert model.predict(s) == pytest.approx(float(np.dot(2 * TRUE, s.features())), rel=1e-9)
+
+
+SMALL = np.array([0.002, 0.0, 9e-3, 0.0, 1e-8])  # the kernels: a cheap pass, dear rows
+
+
+def two_regime_time(s: StepShape, split: int) -> float:
+    small = s.prefill_tokens + s.decode_tokens <= split
+    return float(np.dot(SMALL if small else TRUE, s.features()))
+
+
+def test_split_model_fits_the_kernel_and_the_dense_steps_apart():
+    rng = random.Random(3)
+    steps = [shape_of([(1, rng.randint(10, 2000), True) for _ in range(rng.randint(1, 12))]) for _ in range(60)]
+    steps += [random_step(rng) for _ in range(60)]
+    rng.shuffle(steps)
+    split, one = StepCostModel(split_rows=12), StepCostModel()
+    for s in steps:
+        for model in (split, one):
+            model.observe(s, two_regime_time(s, 12))
+    np.testing.assert_allclose(split.large.coef, TRUE, rtol=1e-6)
+    # decode-only steps have as many sequences as tokens: the small side may split their price
+    c = split.small.coef
+    np.testing.assert_allclose([c[0], c[1], c[2] + c[3], c[4]], [0.002, 0.0, 9e-3, 1e-8], rtol=1e-6, atol=1e-12)
+    errors = {id(m): [] for m in (split, one)}
+    for _ in range(100):
+        s = random_step(rng) if rng.random() < 0.5 else shape_of([(1, 500, True)] * rng.randint(1, 12))
+        want = two_regime_time(s, 12)
+        for model in (split, one):
+            errors[id(model)].append(abs(model.predict(s) - want) / want)
+    assert max(errors[id(split)]) < 1e-6
+    assert float(np.median(errors[id(one)])) > 0.05  # one line through both is what the split fixes
+    f = split.figures()
+    assert f.split_rows == 12 and f.small_r2 == pytest.approx(1.0) and f.num_samples == 120
+    assert set(f.small_coefficients) == set(f.coefficients)
+
+
+def test_a_side_not_fitted_yet_is_predicted_by_the_other():
+    model = StepCostModel(split_rows=12)
+    rng = random.Random(4)
+    large = [s for s in (random_step(rng) for _ in range(100)) if s.prefill_tokens + s.decode_tokens > 12]
+    for s in large[:40]:
+        model.observe(s, float(np.dot(TRUE, s.features())))
+    assert model.is_fitted and not model.small.is_fitted
+    decode = shape_of([(1, 100, True)] * 4)
+    assert model.predict(decode) == pytest.approx(float(np.dot(TRUE, decode.features())))

@@ -140,3 +140,13 @@ def test_fused_path_only_for_plain_layers_on_fp32_gguf_kernels(tmp_path, tiny_mo
     for fmt in ("dequantized", "gguf-q8"):  # dense weights; int8 activations keep their own kernel
         assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format=fmt).fused is None
     assert LlamaModel(tiny_model.hf_model, TorchAttention()).fused is None  # no GGUF blocks at all
+
+
+def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tmp_path, tiny_model):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    rows = NATIVE_MAX_ROWS[qk.best_isa()]
+    assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").small_step_rows == rows
+    q8 = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
+    assert q8.fused is None and q8.small_step_rows == rows  # op by op, the same switch in every projection
+    assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized").small_step_rows is None
+    assert LlamaModel(tiny_model.hf_model, TorchAttention()).small_step_rows is None  # dense weights: one regime
