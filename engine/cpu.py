@@ -96,3 +96,20 @@ def cpu_info() -> CpuInfo:
         info = CpuInfo(platform.processor() or platform.machine(), (), os.cpu_count() or 1)
     spec = os.environ.get(RESTRICT_ENV)
     return info if spec is None else info.restricted(spec)
+
+
+# The GGUF block kernel's code paths (engine/model/quant_kernel.py), the features each needs,
+# best first; and by path, the most rows a step runs on the kernel before the dense fp32 copy
+# takes over (engine/model/quant_linear.py). The crossover with oneDNN's fp32 GEMM
+# (examples/bench_forward.py, whole forward) lies between 16 and 32 rows on an AVX2-only AMD
+# EPYC, and at ~12 rows on an AVX-512 one (Zen 4), where oneDNN gains more from the wider
+# vectors than the kernel's dequantization does. Here, not in the kernel's module, so the
+# simulator (no torch) splits its step-cost fits where the engine switches.
+KERNEL_ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
+NATIVE_MAX_ROWS = {"avx512": 12, "avx2": 16, "portable": 16}
+
+
+def kernel_isa() -> str:
+    """The best kernel path this CPU (or its STEPWISE_CPU_FEATURES restriction) runs."""
+    info = cpu_info()
+    return next(isa for isa, needs in KERNEL_ISA_FEATURES.items() if all(info.has(f) for f in needs))

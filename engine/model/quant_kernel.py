@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.cpp_build import KernelLoader, build_extension
-from engine.cpu import cpu_info
+from engine.cpu import KERNEL_ISA_FEATURES, cpu_info, kernel_isa
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.cpp", *(_CSRC / h for h in ("quant_matmul_impl.h", "q8_matmul_impl.h", "decode_layer_impl.h"))]
@@ -32,7 +32,6 @@ _SOURCES = [_CSRC / "quant_matmul.cpp", *(_CSRC / h for h in ("quant_matmul_impl
 KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 BLOCK = 32  # weights per block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
-_ISA_FEATURES = {"portable": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw")}
 
 
 def _build() -> None:
@@ -58,11 +57,11 @@ def isa_supported(isa: str) -> bool:
     """Whether this CPU can run the `isa` path of the kernel."""
     if isa not in ISAS:
         raise ValueError(f"unknown kernel path {isa!r}; choose from {tuple(ISAS)}")
-    return all(cpu_info().has(f) for f in _ISA_FEATURES[isa])
+    return all(cpu_info().has(f) for f in KERNEL_ISA_FEATURES[isa])
 
 
 def best_isa() -> str:
-    return next(isa for isa in ("avx512", "avx2", "portable") if isa_supported(isa))
+    return kernel_isa()
 
 
 def _isa_id(isa: str | None) -> int:

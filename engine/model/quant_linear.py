@@ -19,15 +19,11 @@ from pathlib import Path
 import torch
 
 from engine.config import WEIGHT_FORMATS
+from engine.cpu import NATIVE_MAX_ROWS  # steps of up to this many rows use the block kernel, by its path
 from engine.model import quant_kernel
 from engine.model.gguf_weights import QuantWeight, read_gguf_weights
 from engine.model.linear import Linear
 
-# Steps of up to this many rows use the block kernel, by the kernel path the CPU runs: the
-# crossover with oneDNN's fp32 GEMM (examples/bench_forward.py, whole forward) lies between 16
-# and 32 rows on an AVX2-only AMD EPYC, and at ~12 rows on an AVX-512 one (AMD EPYC, Zen 4),
-# where oneDNN's GEMM gains more from the wider vectors than the kernel's dequantization does.
-NATIVE_MAX_ROWS = {"avx512": 12, "avx2": 16, "portable": 16}
 
 
 class QuantLinear:

@@ -12,10 +12,12 @@ it would in the engine. The forward is the prediction times a ratio drawn from t
 steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON
 with the CPU, model name and dtype it was measured on.
 
-Two regimes: on the GGUF path a step of at most 16 rows (tokens) runs the block kernel and a
-larger one the dense fp32 GEMM (engine/model/quant_linear.py), so one line through both
-over-predicts small steps and under-predicts large ones. With `split_rows` the forward model is
-fitted twice, on the steps of at most that many rows (`small_forward`) and on the others.
+Two regimes: on the GGUF path a step of at most NATIVE_MAX_ROWS rows (tokens; 16 on AVX2, 12
+on AVX-512) runs the block kernel and a larger one the dense fp32 GEMM
+(engine/model/quant_linear.py), so one line through both over-predicts small steps and
+under-predicts large ones. With `split_rows` the forward model is fitted twice, on the steps of
+at most that many rows (`small_forward`) and on the others; the engine's live cost model splits
+there too, and so does the simulated engine's.
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_
 
 OVERHEAD_NAMES = ("fixed", "sequence")
 SUSTAINED_MIN_S = 5.0  # the sustained slowdown is fitted only when a step was predicted this long
-# the GGUF path's kernel / dense switch on AVX2 CPUs (quant_linear.NATIVE_MAX_ROWS, 12 on AVX-512;
-# not imported: no torch here); only where the piecewise fit splits the steps
-SPLIT_ROWS = 16
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,7 +111,7 @@ def record_shape(rec: StepRecord) -> StepShape:
     return shape_of((n, pos, decode) for n, pos, decode, _ in items)
 
 
-def fit(records: list[StepRecord], split_rows: int | None = SPLIT_ROWS, **meta) -> Calibration:
+def fit(records: list[StepRecord], split_rows: int | None = None, **meta) -> Calibration:
     """`split_rows`: fit steps of at most that many rows apart (when each side has enough steps)."""
     steps = [r for r in records if not r.is_idle and r.error is None and r.forward_s > 0]
     if len(steps) < 2 * len(NAMES):

