@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BenchRequest:
@@ -34,7 +36,21 @@ class BenchRequest:
 
 
 def _prompt(rng: random.Random, n: int, vocab: range) -> list[int]:
-    return [rng.choice(vocab) for _ in range(n)]
+    """`n` tokens drawn uniformly from `vocab`: exactly what `n` calls of `rng.choice(vocab)`
+    return, leaving `rng` where they leave it, several times faster (an hour of simulated
+    traffic draws millions). CPython's choice takes the top k = len(vocab).bit_length() bits of
+    one 32-bit Mersenne Twister word per try and tries again while they are >= len(vocab);
+    getrandbits(32 * m) is m such words, little-endian. Each round draws one word per token
+    still missing (never more than the tries will use) and keeps the accepted ones; the last
+    few tokens are drawn one by one."""
+    size, out = len(vocab), []
+    shift = 32 - size.bit_length()
+    while shift >= 0 and n - len(out) >= 64:  # below that, a round costs more than the tries it saves
+        need = n - len(out)
+        words = rng.getrandbits(32 * need).to_bytes(4 * need, "little")
+        tries = np.frombuffer(words, dtype="<u4") >> shift  # [need]
+        out += (vocab.start + vocab.step * tries[tries < size].astype(np.int64)).tolist()
+    return out + [rng.choice(vocab) for _ in range(n - len(out))]
 
 
 def mixed(seed: int = 0, num_requests: int = 64, rate: float = 0.0, vocab: range = range(100, 20000)) -> list[BenchRequest]:

@@ -3,6 +3,7 @@ documented lengths and to the vocabulary, and spaces arrivals as documented."""
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
@@ -130,3 +131,14 @@ def test_shared_prefix_shape():
     assert len(heads) == 8 and {r.max_tokens for r in reqs} == {32}
     arrivals = [r.arrival_s for r in reqs]
     assert all(0 < a < b for a, b in zip(arrivals, arrivals[1:]))
+
+
+@pytest.mark.parametrize("vocab", [range(100, 20000), range(0, 16384), range(5, 6), range(0, 49152, 3)])
+def test_prompt_draws_what_choice_draws_and_leaves_the_generator_where_it_would(vocab):
+    """_prompt batches the Mersenne Twister's words; the tokens and the generator's state after
+    are those of one rng.choice per token (so every workload is what it always was)."""
+    for seed in range(10):
+        fast, slow = random.Random(seed), random.Random(seed)
+        for n in (0, 1, 7, 200, 3000):
+            assert workload._prompt(fast, n, vocab) == [slow.choice(vocab) for _ in range(n)]
+            assert fast.getstate() == slow.getstate()
