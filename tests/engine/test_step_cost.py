@@ -129,3 +129,21 @@ def test_a_side_not_fitted_yet_is_predicted_by_the_other():
     assert model.is_fitted and not model.small.is_fitted
     decode = shape_of([(1, 100, True)] * 4)
     assert model.predict(decode) == pytest.approx(float(np.dot(TRUE, decode.features())))
+
+
+async def test_the_engine_fits_the_kernel_steps_apart_on_gguf_weights(tmp_path):
+    """The engine's live model splits where its model hands the GGUF kernels over to the dense
+    copies, and the start-up calibration gives both sides steps (so both are fitted)."""
+    from engine import Engine
+    from engine.cpu import NATIVE_MAX_ROWS, kernel_isa
+    from tests.engine.util import greedy, run_request, tiny_config
+    from tests.model.test_gguf_weights import write_tiny_gguf
+
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    config = tiny_config(calibrate_step_cost=True, weight_format="gguf", attention_backend="torch")
+    async with Engine(config, loaded=loaded) as engine:
+        cost = engine.scheduler.cost
+        assert cost.split_rows == NATIVE_MAX_ROWS[kernel_isa()] and cost.small.is_fitted and cost.large.is_fitted
+        await run_request(engine, [5, 6, 7], greedy(4))
+        figures = engine.step_cost()
+        assert figures.split_rows == cost.split_rows and figures.small_coefficients is not None
