@@ -70,7 +70,7 @@ class ModelConfig:
 class SchedulerConfig:
     policy: str = "chunked"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 1024
     chunk_size: int = 256
     batch_timeout_ms: int = 50
     max_waiting: int = 1024
