@@ -109,7 +109,11 @@ KERNEL_ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"
 NATIVE_MAX_ROWS = {"avx512": 12, "avx2": 16, "portable": 16}
 
 
+def kernel_isa_supported(isa: str) -> bool:
+    """Whether this CPU (or its STEPWISE_CPU_FEATURES restriction) has what the kernel's `isa` path needs."""
+    return all(cpu_info().has(f) for f in KERNEL_ISA_FEATURES[isa])
+
+
 def kernel_isa() -> str:
-    """The best kernel path this CPU (or its STEPWISE_CPU_FEATURES restriction) runs."""
-    info = cpu_info()
-    return next(isa for isa, needs in KERNEL_ISA_FEATURES.items() if all(info.has(f) for f in needs))
+    """The best kernel path this CPU runs."""
+    return next(isa for isa in KERNEL_ISA_FEATURES if kernel_isa_supported(isa))

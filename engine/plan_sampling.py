@@ -22,9 +22,7 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
         return fields
     if req.fixed_sampling is None:
         req.fixed_sampling = _fixed_fields(req)
-    if not (fields or req.pending_forks or p.has_penalties or len(req.output_token_ids) < p.min_tokens):
-        return req.fixed_sampling  # most steps: nothing of this step's own (callers only unpack it)
-    fields.update(req.fixed_sampling)
+    fixed = req.fixed_sampling
     if req.pending_forks:  # n > 1: the other choices' first tokens come from this row
         fields["forks"] = [(c.request_id, c.generator, c.grammar) for c in req.pending_forks]
     if p.has_penalties:
@@ -34,8 +32,9 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
             prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         )
     if len(req.output_token_ids) < p.min_tokens:
-        fields["logit_bias"] = fields.get("logit_bias", []) + [(t, float("-inf")) for t in req.stop_ids]
-    return fields
+        fields["logit_bias"] = fixed.get("logit_bias", []) + [(t, float("-inf")) for t in req.stop_ids]
+    # most steps have no field of their own: the fixed dict itself (callers only unpack it)
+    return {**fixed, **fields} if fields else fixed
 
 
 def _fixed_fields(req: Request) -> dict:

@@ -15,8 +15,8 @@ from engine.request import Status
 if TYPE_CHECKING:
     from engine.policies.base import Decision
     from engine.request import Request
-    from engine.step_cost import StepShape
     from engine.scheduler import Scheduler
+    from engine.step_cost import StepShape
 
 
 class PlanView:

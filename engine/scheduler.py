@@ -304,7 +304,7 @@ class Scheduler:
 
     def _make_plan(self, decisions: list[Decision]) -> StepPlan:
         self.step += 1
-        items, dims = [], []  # dims: (tokens, start, is a decode) of each item, for the step's shape
+        items = []
         for d in decisions:
             req = d.request
             start = req.num_computed_tokens
@@ -314,22 +314,20 @@ class Scheduler:
                     request_id=req.request_id, kind="padding", token_ids=[self.pad_token_id] * d.num_padding,
                     start_pos=start, block_table=table, sample=False, num_padding=d.num_padding,
                 ))
-                dims.append((d.num_padding, start, False))
                 continue
             sample = start + d.num_tokens == req.num_tokens
-            decode = d.num_tokens == 1 and sample and bool(req.output_token_ids)
+            kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
             tokens = req.token_slice(start, start + d.num_tokens)
             if d.num_padding:
                 tokens += [self.pad_token_id] * d.num_padding
             items.append(PlanItem(
-                request_id=req.request_id, kind="decode" if decode else "prefill", token_ids=tokens,
+                request_id=req.request_id, kind=kind, token_ids=tokens,
                 start_pos=start, block_table=table, sample=sample, num_padding=d.num_padding,
                 **sampling_fields(req, start, d.num_tokens, sample),
             ))
-            dims.append((len(tokens), start, decode))
         cached, self._cached_this_step = self._cached_this_step, 0
         queried, self._queried_this_step = self._queried_this_step, 0
-        shape = shape_of(dims)  # pad tokens are computed too: they count
+        shape = items_shape(items)
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
                         num_prefix_queries=queried, block_copies=self.ledger.take_copies(), shape=shape,
                         predicted_s=self.cost.predict(shape) if self.cost.is_fitted else None)
@@ -447,5 +445,11 @@ class Scheduler:
 
 
 def plan_shape(plan: StepPlan) -> StepShape:
-    """What the cost model sees of a plan (pad tokens are computed too: they count)."""
-    return shape_of([(len(it.token_ids), it.start_pos, it.kind == "decode") for it in plan.items])
+    """What the cost model sees of a plan: the scheduler's plans carry it, a hand-made one
+    (start-up calibration) is measured here."""
+    return plan.shape if plan.shape is not None else items_shape(plan.items)
+
+
+def items_shape(items: list[PlanItem]) -> StepShape:
+    """Pad tokens are computed too: they count."""
+    return shape_of([(len(it.token_ids), it.start_pos, it.kind == "decode") for it in items])

@@ -33,6 +33,11 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
     num_seqs: int = 0
     attention_work: float = 0.0
 
+    @property
+    def num_rows(self) -> int:
+        """Tokens the step computes: the rows of its GEMMs (what picks kernel or dense weights)."""
+        return self.prefill_tokens + self.decode_tokens
+
     def features(self) -> list[float]:
         return [1.0, self.prefill_tokens, self.decode_tokens, self.num_seqs, self.attention_work]
 
@@ -70,7 +75,7 @@ class CostFigures(msgspec.Struct, frozen=True, kw_only=True):
     num_samples: int
     last_predicted_s: float | None
     last_actual_s: float | None
-    split_rows: int | None = None  # steps of at most this many rows are fitted apart, here:
+    split_rows: int | None = None  # steps of at most this many rows are fitted apart, by these:
     small_coefficients: dict[str, float] | None = None
     small_r2: float | None = None
 
@@ -91,7 +96,7 @@ class StepCostModel:
         self.last_actual_s: float | None = None
 
     def _side(self, shape: StepShape) -> Fit:
-        if self.small is not None and shape.prefill_tokens + shape.decode_tokens <= self.split_rows:
+        if self.small is not None and shape.num_rows <= self.split_rows:
             return self.small
         return self.large
 
@@ -113,8 +118,8 @@ class StepCostModel:
 
     def predict(self, shape: StepShape) -> float:
         side = self._side(shape)
-        if not side.is_fitted:
-            side = self.small if side is self.large and self.small is not None else self.large
+        if not side.is_fitted and self.small is not None:
+            side = self.small if side is self.large else self.large
         return side.predict(shape)
 
     def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.cpp_build import KernelLoader, build_extension
-from engine.cpu import KERNEL_ISA_FEATURES, cpu_info, kernel_isa
+from engine.cpu import cpu_info, kernel_isa, kernel_isa_supported
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.cpp", *(_CSRC / h for h in ("quant_matmul_impl.h", "q8_matmul_impl.h", "decode_layer_impl.h"))]
@@ -57,7 +57,7 @@ def isa_supported(isa: str) -> bool:
     """Whether this CPU can run the `isa` path of the kernel."""
     if isa not in ISAS:
         raise ValueError(f"unknown kernel path {isa!r}; choose from {tuple(ISAS)}")
-    return all(cpu_info().has(f) for f in KERNEL_ISA_FEATURES[isa])
+    return kernel_isa_supported(isa)
 
 
 def best_isa() -> str:

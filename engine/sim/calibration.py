@@ -79,7 +79,7 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     def linear_s(self, shape: StepShape) -> float:
         """The forward's linear terms alone."""
         f = self.forward
-        if self.split_rows is not None and shape.prefill_tokens + shape.decode_tokens <= self.split_rows:
+        if self.split_rows is not None and shape.num_rows <= self.split_rows:
             f = self.small_forward
         return (f["fixed"] + f["prefill_token"] * shape.prefill_tokens + f["decode_token"] * shape.decode_tokens
                 + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work)
@@ -118,7 +118,7 @@ def fit(records: list[StepRecord], split_rows: int | None = None, **meta) -> Cal
         raise ValueError(f"{len(steps)} usable steps: need at least {2 * len(NAMES)} to fit a calibration")
     shapes = [record_shape(r) for r in steps]
     times = [r.forward_s for r in steps]
-    small = [split_rows is not None and s.prefill_tokens + s.decode_tokens <= split_rows for s in shapes]
+    small = [split_rows is not None and s.num_rows <= split_rows for s in shapes]
     if min(sum(small), len(small) - sum(small)) < 2 * len(NAMES):
         split_rows, small = None, [False] * len(steps)
     big, _ = _fit_forward([s for s, k in zip(shapes, small) if not k], [t for t, k in zip(times, small) if not k])

@@ -50,7 +50,7 @@ class SimExecutor:
         return StepOutcome({it.request_id: SAMPLED_TOKEN for it in plan.items if it.sample}, forward)
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        shape = plan.shape if plan.shape is not None else plan_shape(plan)
+        shape = plan_shape(plan)
         forward = self.forward_s(shape)
         cycle = forward + self.calibration.overhead_s(shape)
         start = asyncio.get_running_loop().time()
