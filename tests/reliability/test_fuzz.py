@@ -74,8 +74,12 @@ def check_answer(path: str, status: int, headers: dict, body: bytes, sent: bytes
         frames = body[:-2].split(b"\n\n")
         events = [json.loads(f[6:]) for f in frames[:-1]]
         assert events and all("error" not in e for e in events), why
-        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
-        assert finishes in (["stop"], ["length"]), why
+        finishes: dict[int, str] = {}  # choice index -> its finish reason: exactly one each (n > 1: several choices)
+        for c in (c for e in events for c in e["choices"] if c.get("finish_reason")):
+            assert c["index"] not in finishes, why
+            finishes[c["index"]] = c["finish_reason"]
+        assert finishes and sorted(finishes) == list(range(len(finishes))), why
+        assert all(f in ("stop", "length") for f in finishes.values()), why
         return
     data = json.loads(body)
     kind = "chat.completion" if path == CHAT else "text_completion"
