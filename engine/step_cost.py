@@ -1,13 +1,19 @@
 """A step's forward time, predicted from its composition and fitted live from real steps.
 
-    t ≈ c0 + c1·prefill_tokens + c2·decode_tokens + c3·num_seqs + c4·attention_work
+    t ≈ c0 + c1·prefill_tokens + c2·decode_tokens + c3·num_seqs + c4·attention_work + c5·kv_tokens
 
 where attention_work = Σ over items of new_tokens × (context_len + (new_tokens + 1) / 2): the
 query-key pairs the step computes (a chunk attends to the cached context and causally to
-itself). On a CPU each term is close to linear: GEMMs cost per token, attention per pair.
+itself), and kv_tokens = Σ over items of context_len + new_tokens: the cached keys and values
+the step reads. On a CPU each term is close to linear: GEMMs cost per token, attention per
+pair computed and per cache position read. The two attention terms differ where it matters:
+a decode reads a whole context's K/V (memory-bound) for one query, a prefill chunk reads it
+once for hundreds of queries (compute-bound). With the pairs alone, fitted mostly on prefill,
+decode steps with long contexts ran 15–25 % slower than predicted (sharegpt-like, ~500-token
+contexts); their K/V reads cost ~4 µs per position on SmolLM2 here, ~5x a prefill pair.
 
 The executor reports every step's forward time; the model keeps the last `window` of them
-and refits by non-negative least squares every `refit_every` steps (five unknowns: cheap),
+and refits by non-negative least squares every `refit_every` steps (six unknowns: cheap),
 weighting each step by 1/time so that it fits relative errors: small decode steps and large
 prefill steps are predicted equally well.
 Coefficients are kept non-negative so that a prediction never falls when work is added, which
@@ -22,7 +28,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-NAMES = ("fixed", "prefill_token", "decode_token", "sequence", "attention_pair")
+NAMES = ("fixed", "prefill_token", "decode_token", "sequence", "attention_pair", "kv_token")
 
 
 class StepShape(msgspec.Struct, frozen=True, array_like=True):
@@ -32,6 +38,7 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
     decode_tokens: int = 0
     num_seqs: int = 0
     attention_work: float = 0.0
+    kv_tokens: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -39,13 +46,14 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
         return self.prefill_tokens + self.decode_tokens
 
     def features(self) -> list[float]:
-        return [1.0, self.prefill_tokens, self.decode_tokens, self.num_seqs, self.attention_work]
+        return [1.0, self.prefill_tokens, self.decode_tokens, self.num_seqs, self.attention_work, self.kv_tokens]
 
     def plus(self, new_tokens: int, context_len: int, decode: bool) -> StepShape:
         """This shape with one more item of `new_tokens` tokens after `context_len` cached ones."""
         return StepShape(
             self.prefill_tokens + (0 if decode else new_tokens), self.decode_tokens + (new_tokens if decode else 0),
             self.num_seqs + 1, self.attention_work + attention_pairs(new_tokens, context_len),
+            self.kv_tokens + context_len + new_tokens,
         )
 
 
@@ -55,7 +63,7 @@ def attention_pairs(new_tokens: int, context_len: int) -> float:
 
 def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
     """items: (new tokens, context length, is a decode)."""
-    prefill = decode_tokens = seqs = 0
+    prefill = decode_tokens = seqs = kv = 0
     work = 0.0
     for n, ctx, decode in items:  # what chained `plus` calls give, without a struct per item
         if decode:
@@ -64,7 +72,8 @@ def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
             prefill += n
         seqs += 1
         work += attention_pairs(n, ctx)
-    return StepShape(prefill, decode_tokens, seqs, work)
+        kv += ctx + n
+    return StepShape(prefill, decode_tokens, seqs, work, kv)
 
 
 class CostFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,7 +179,7 @@ class Fit:
     def predict(self, shape: StepShape) -> float:
         c = self._coef
         return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens + c[3] * shape.num_seqs
-                + c[4] * shape.attention_work)
+                + c[4] * shape.attention_work + c[5] * shape.kv_tokens)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         row = self._num_seen % self.window
@@ -198,7 +207,7 @@ class Fit:
 
 def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min ||x·c - y|| with c >= 0, by dropping the most negative coefficient and refitting
-    (an active-set loop; five columns, so at most five rounds). Columns are scaled first: the
+    (an active-set loop; six columns, so at most six rounds). Columns are scaled first: the
     terms differ by orders of magnitude (1 vs. millions of attention pairs)."""
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0

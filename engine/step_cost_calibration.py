@@ -11,7 +11,8 @@ from engine.messages import PlanItem, StepPlan
 from engine.scheduler import plan_shape
 from engine.step_cost import StepCostModel
 
-DECODE_BATCHES = ((1, 64), (8, 256), (32, 128), (64, 64))  # (sequences, context each)
+# (sequences, context each); two contexts at 32 sequences: a decode's K/V reads apart from its rows
+DECODE_BATCHES = ((1, 64), (8, 256), (32, 128), (32, 512), (64, 64))
 PREFILL_CHUNKS = ((32, 0), (128, 0), (256, 256), (512, 0))  # (tokens, context)
 
 

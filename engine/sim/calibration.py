@@ -60,7 +60,10 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self):
         for terms in (self.forward, self.small_forward if self.small_forward is not None else self.forward):
             if set(terms) != set(NAMES):
-                raise ValueError(f"calibration forward terms must be {NAMES}, got {sorted(terms)}")
+                missing = [n for n in NAMES if n not in terms]
+                hint = (f' (a calibration from before the {missing[-1]!r} term: set it to 0.0 to keep its predictions,'
+                        ' or `engine-sim calibrate` again)') if missing == [NAMES[-1]] else ''
+                raise ValueError(f"calibration forward terms must be {NAMES}, got {sorted(terms)}{hint}")
         if (self.small_forward is None) != (self.split_rows is None):
             raise ValueError("calibration: small_forward and split_rows go together")
         if set(self.overhead) != set(OVERHEAD_NAMES):
@@ -82,7 +85,8 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
         if self.split_rows is not None and shape.num_rows <= self.split_rows:
             f = self.small_forward
         return (f["fixed"] + f["prefill_token"] * shape.prefill_tokens + f["decode_token"] * shape.decode_tokens
-                + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work)
+                + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work
+                + f["kv_token"] * shape.kv_tokens)
 
     def overhead_s(self, shape: StepShape) -> float:
         return self.overhead["fixed"] + self.overhead["sequence"] * shape.num_seqs

@@ -9,7 +9,8 @@ import pytest
 
 from engine.step_cost import StepCostModel, StepShape, attention_pairs, nonnegative_least_squares, shape_of
 
-TRUE = np.array([0.004, 2e-4, 3e-4, 5e-4, 2e-8])  # fixed, per prefill token, per decode, per seq, per pair
+# fixed, per prefill token, per decode, per seq, per pair, per cached K/V position read
+TRUE = np.array([0.004, 2e-4, 3e-4, 5e-4, 2e-8, 4e-7])
 
 
 def random_step(rng: random.Random) -> StepShape:
@@ -55,17 +56,41 @@ def test_shapes():
     assert attention_pairs(4, 0) == 10  # a fresh 4-token chunk: 1 + 2 + 3 + 4 causal pairs
     s = StepShape().plus(1, 10, True).plus(32, 0, False)
     assert (s.prefill_tokens, s.decode_tokens, s.num_seqs) == (32, 1, 2)
+    assert s.kv_tokens == 11 + 32  # the decode reads its 10 cached positions and its own, the chunk its 32
+    assert s == shape_of([(1, 10, True), (32, 0, False)])
+
+
+def test_decodes_with_long_contexts_are_priced_by_their_kv_reads():
+    """A decode reads its whole context's K/V for one query (memory-bound); a prefill chunk reads
+    it once for hundreds of queries. Fitted on prefill-heavy steps and short-context decodes,
+    the model still prices long-context decodes right, where the pairs alone could not: this
+    is what made sharegpt-like's decodes (~500-token contexts) run 15-25 % over their predictions."""
+    rng = random.Random(5)
+    truth = np.array([0.02, 1e-3, 0.0, 1.4e-3, 7e-7, 3e-6])  # about SmolLM2 on the dense path here
+    train = [shape_of([(rng.randint(64, 512), rng.randint(0, 1500), False) for _ in range(rng.randint(1, 2))]
+                      + [(1, rng.randint(100, 350), True) for _ in range(rng.randint(0, 40))]) for _ in range(120)]
+    train += [shape_of([(1, rng.randint(100, 350), True) for _ in range(rng.randint(13, 64))]) for _ in range(40)]
+    model = StepCostModel(window=256)
+    for s in train:
+        model.observe(s, float(np.dot(truth, s.features())))
+    long_decodes = shape_of([(1, rng.randint(400, 600), True) for _ in range(48)])
+    want = float(np.dot(truth, long_decodes.features()))
+    assert model.predict(long_decodes) == pytest.approx(want, rel=1e-6)
+    # the same steps' prices with the K/V reads folded into the pairs (the five-term model)
+    pairs_only = nonnegative_least_squares(np.array([s.features()[:5] for s in train]),
+                                           np.array([np.dot(truth, s.features()) for s in train]))
+    assert float(np.dot(pairs_only, long_decodes.features()[:5])) < 0.95 * want
 
 
 def test_unfitted_predicts_zero_and_reports_figures():
     model = StepCostModel()
     assert model.predict(StepShape(10, 10, 2, 100.0)) == 0.0 and not model.is_fitted
-    for i in range(5):
+    for i in range(6):  # one step per unknown
         model.observe(StepShape(10 * i, 1, 1, 10.0 * i), 0.01 + 0.001 * i, predicted=None)
     assert model.is_fitted
     f = model.figures()
-    assert f.num_samples == 5 and set(f.coefficients) == {"fixed", "prefill_token", "decode_token", "sequence",
-                                                          "attention_pair"}
+    assert f.num_samples == 6 and set(f.coefficients) == {"fixed", "prefill_token", "decode_token", "sequence",
+                                                          "attention_pair", "kv_token"}
 
 
 def test_fits_only_the_last_window_of_steps():
@@ -86,7 +111,7 @@ def test_fits_only_the_last_window_of_steps():
     assert model.predict(s) == pytest.approx(float(np.dot(2 * TRUE, s.features())), rel=1e-9)
 
 
-SMALL = np.array([0.002, 0.0, 9e-3, 0.0, 1e-8])  # the kernels: a cheap pass, dear rows
+SMALL = np.array([0.002, 0.0, 9e-3, 0.0, 1e-8, 2e-6])  # the kernels: a cheap pass, dear rows
 
 
 def two_regime_time(s: StepShape, split: int) -> float:
@@ -104,9 +129,11 @@ def test_split_model_fits_the_kernel_and_the_dense_steps_apart():
         for model in (split, one):
             model.observe(s, two_regime_time(s, 12))
     np.testing.assert_allclose(split.large.coef, TRUE, rtol=1e-6)
-    # decode-only steps have as many sequences as tokens: the small side may split their price
+    # decode-only steps have as many sequences as tokens and as many pairs as K/V positions
+    # read: the small side may split those prices
     c = split.small.coef
-    np.testing.assert_allclose([c[0], c[1], c[2] + c[3], c[4]], [0.002, 0.0, 9e-3, 1e-8], rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose([c[0], c[1], c[2] + c[3], c[4] + c[5]], [0.002, 0.0, 9e-3, 1e-8 + 2e-6],
+                               rtol=1e-6, atol=1e-12)
     errors = {id(m): [] for m in (split, one)}
     for _ in range(100):
         s = random_step(rng) if rng.random() < 0.5 else shape_of([(1, 500, True)] * rng.randint(1, 12))

@@ -46,9 +46,16 @@ def test_steps_file_round_trip(tmp_path):
 
 
 def test_bad_calibrations_are_refused(tmp_path):
+    import msgspec
+
     path = tmp_path / "c.json"
     path.write_text('{"forward": {"fixed": 1}, "overhead": {"fixed": 0, "sequence": 0}, "num_steps": 1}')
     with pytest.raises(ValueError, match="forward terms"):
+        Calibration.load(path)
+    older = {"fixed": 0.01, "prefill_token": 1e-3, "decode_token": 1e-3, "sequence": 1e-3, "attention_pair": 1e-7}
+    path.write_text(msgspec.json.encode({"forward": older, "overhead": {"fixed": 0, "sequence": 0},
+                                         "num_steps": 1}).decode())
+    with pytest.raises(ValueError, match="before the 'kv_token' term: set it to 0.0"):
         Calibration.load(path)
     with pytest.raises(ValueError, match="usable steps"):
         fit(recorded("chunked")[:3])
@@ -60,7 +67,8 @@ def test_fit_recovers_a_machine_with_two_regimes():
     the split fit recovers both lines, and one line through both does not."""
     import msgspec
 
-    small = {"fixed": 0.002, "prefill_token": 2e-3, "decode_token": 2e-3, "sequence": 1e-4, "attention_pair": 2e-8}
+    small = {"fixed": 0.002, "prefill_token": 2e-3, "decode_token": 2e-3, "sequence": 1e-4, "attention_pair": 2e-8,
+             "kv_token": 0.0}
     two = msgspec.structs.replace(CAL, small_forward=small, split_rows=16)
     steps = simulate(traces.generate("mixed", seed=1, num_requests=48, rate=4.0), config(policy="chunked"), two,
                      keep_steps=True).steps

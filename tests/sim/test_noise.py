@@ -69,8 +69,10 @@ def test_noise_is_seeded_and_widens_the_gaps():
     c = simulate(trace, config(policy="chunked"), cal, keep_steps=True, seed=4)
     forwards = [r.forward_s for r in a.steps]
     assert forwards == [r.forward_s for r in b.steps] and forwards != [r.forward_s for r in c.steps]
+    ratios = [r.forward_s / CAL.forward_s(record_shape(r)) for r in a.steps]
+    assert min(ratios) < 0.8 and max(ratios) > 1.4  # drawn across the ratios' whole range
     quiet = simulate(trace, config(policy="chunked"), cal, keep_steps=True, step_noise=False)
-    assert max(forwards) > max(r.forward_s for r in quiet.steps)
+    assert all(r.forward_s == pytest.approx(CAL.forward_s(record_shape(r))) for r in quiet.steps)
 
 
 def test_fit_keeps_the_ratios_of_its_steps():
