@@ -10,7 +10,8 @@ pair computed and per cache position read. The two attention terms differ where 
 a decode reads a whole context's K/V (memory-bound) for one query, a prefill chunk reads it
 once for hundreds of queries (compute-bound). With the pairs alone, fitted mostly on prefill,
 decode steps with long contexts ran 15–25 % slower than predicted (sharegpt-like, ~500-token
-contexts); their K/V reads cost ~4 µs per position on SmolLM2 here, ~5x a prefill pair.
+contexts); a decode's context costs ~3 µs per position on SmolLM2 here (pair + read), ~4x a
+prefill pair.
 
 The executor reports every step's forward time; the model keeps the last `window` of them
 and refits by non-negative least squares every `refit_every` steps (six unknowns: cheap),
