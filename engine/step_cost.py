@@ -24,7 +24,7 @@ It is pure Python + NumPy and knows nothing of the engine: the simulator uses it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -60,6 +60,13 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
 
 def attention_pairs(new_tokens: int, context_len: int) -> float:
     return new_tokens * (context_len + (new_tokens + 1) / 2)
+
+
+def linear_time(c: Sequence[float], shape: StepShape) -> float:
+    """Σ c_i · feature_i: the model's formula for coefficients `c` in NAMES order (the live fit's
+    and a saved calibration's alike); `features()` written out, without building the list."""
+    return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens + c[3] * shape.num_seqs
+            + c[4] * shape.attention_work + c[5] * shape.kv_tokens)
 
 
 def shape_of(items: Iterable[tuple[int, int, bool]]) -> StepShape:
@@ -178,9 +185,7 @@ class Fit:
         return dict(zip(NAMES, self._coef))
 
     def predict(self, shape: StepShape) -> float:
-        c = self._coef
-        return (c[0] + c[1] * shape.prefill_tokens + c[2] * shape.decode_tokens + c[3] * shape.num_seqs
-                + c[4] * shape.attention_work + c[5] * shape.kv_tokens)
+        return linear_time(self._coef, shape)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         row = self._num_seen % self.window

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.messages import StepRecord
 from engine.sim.noise import banded_quantiles, check_bands
-from engine.step_cost import NAMES, StepCostModel, StepShape, nonnegative_least_squares, shape_of
+from engine.step_cost import NAMES, StepCostModel, StepShape, linear_time, nonnegative_least_squares, shape_of
 
 OVERHEAD_NAMES = ("fixed", "sequence")
 SUSTAINED_MIN_S = 5.0  # the sustained slowdown is fitted only when a step was predicted this long
@@ -84,9 +84,7 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
         f = self.forward
         if self.split_rows is not None and shape.num_rows <= self.split_rows:
             f = self.small_forward
-        return (f["fixed"] + f["prefill_token"] * shape.prefill_tokens + f["decode_token"] * shape.decode_tokens
-                + f["sequence"] * shape.num_seqs + f["attention_pair"] * shape.attention_work
-                + f["kv_token"] * shape.kv_tokens)
+        return linear_time([f[n] for n in NAMES], shape)
 
     def overhead_s(self, shape: StepShape) -> float:
         return self.overhead["fixed"] + self.overhead["sequence"] * shape.num_seqs
