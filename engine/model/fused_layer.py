@@ -40,6 +40,7 @@ class FusedLayers:
                          for t in (w.input_norm.weight, qkv.blocks, o.blocks, w.post_attn_norm.weight, gu.blocks, down.blocks)]
         self._types = [_type_id(p) for ps in projections for p in ps]
         self._biases = [p.bias for ps in projections for p in ps]
+        self._scales = [p.scales for ps in projections for p in ps]
         self._isa = quant_kernel.ISAS[layers[0].qkv.isa]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]
@@ -69,7 +70,7 @@ class FusedLayers:
         plan: the CPU attention backend's CpuPlan for this step."""
         self._ops.layers(h, self._weights, self._types, self._biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
-                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap)
+                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, self._scales)
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""
@@ -77,7 +78,7 @@ class FusedLayers:
         p = w.qkv
         qkv = torch.empty(h.shape[0], p.blocks.shape[0], dtype=torch.float32)
         self._ops.attn_in(h, w.input_norm.weight, self.eps, p.blocks, _type_id(p), p.bias, cos, sin,
-                          self.heads, self.kv_heads, self.head_dim, quant_kernel.ISAS[p.isa], qkv)
+                          self.heads, self.kv_heads, self.head_dim, quant_kernel.ISAS[p.isa], qkv, p.scales)
         return qkv
 
     def attn_out_mlp(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> None:
@@ -86,7 +87,7 @@ class FusedLayers:
         o, gu, down = w.o, w.gate_up, w.down
         self._ops.attn_out_mlp(h, attn, o.blocks, _type_id(o), o.bias, w.post_attn_norm.weight, self.eps,
                                gu.blocks, _type_id(gu), gu.bias, down.blocks, _type_id(down), down.bias,
-                               quant_kernel.ISAS[o.isa])
+                               quant_kernel.ISAS[o.isa], [o.scales, gu.scales, down.scales])
 
 
 def _type_id(p: QuantLinear) -> int:

@@ -71,18 +71,34 @@ def _isa_id(isa: str | None) -> int:
     return ISAS[isa]
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
-    """x: [T, K] float32, blocks: [N, K/32 * block bytes] uint8 -> [T, N] float32."""
-    return _product("matmul", x, blocks, qtype, isa)
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None,
+           scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, K] float32, blocks: [N, K/32 * block bytes] uint8 -> [T, N] float32. scales: the
+    blocks' block_scales (Q4 types), which spare the kernel two fp16 conversions per block."""
+    return _product("matmul", x, blocks, qtype, isa, scales)
 
 
-def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
     """blocks: [N, K/32 * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
     type_id, nbytes = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // nbytes * BLOCK
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    _KERNEL.get().dequantize(blocks, type_id, k, _isa_id(isa), out)
+    _KERNEL.get().dequantize(blocks, type_id, k, _isa_id(isa), out, scales)
     return out
+
+
+def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:
+    """[N, K/32, 2] float32 per Q4 block: (d, m) for Q4_1, (d, -8 d) for Q4_0, so that every weight
+    is q * s0 + s1 (exact: see csrc/quant_matmul_impl.h); None for Q8_0, whose kernel is bound by
+    memory, not by converting its scale."""
+    if qtype == "Q8_0":
+        return None
+    nbytes = KERNEL_TYPES[qtype][1]
+    b = blocks.view(blocks.shape[0], -1, nbytes)  # [N, K/32, block bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K/32, 1], exact
+    second = b[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else -8 * d
+    return torch.cat([d, second], dim=-1).contiguous()
 
 
 def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
@@ -90,12 +106,14 @@ def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None
     return _product("matmul_q8", x, blocks, qtype, isa)
 
 
-def _product(op: str, x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None) -> torch.Tensor:
+def _product(op: str, x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None,
+             *scales: torch.Tensor | None) -> torch.Tensor:
     """The kernel op `op` (matmul or matmul_q8): x [T, K] float32 · dequant(blocks)ᵀ -> [T, N] float32."""
     type_id, nbytes = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // nbytes * BLOCK
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    getattr(_KERNEL.get(), op)(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out)
+    getattr(_KERNEL.get(), op)(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out,
+                               *scales)
     return out
 
 

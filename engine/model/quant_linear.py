@@ -34,6 +34,7 @@ class QuantLinear:
             raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
         self.qtype = parts[0].qtype
         self.blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks  # [N, bytes]
+        self.scales = quant_kernel.block_scales(self.blocks, self.qtype)  # [N, K/32, 2] fp32 (Q4) or None
         self.bias = bias
         self.dense = dense  # None: every step runs the kernel
         self.isa = isa or quant_kernel.best_isa()
@@ -47,8 +48,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if self.dense is not None and x.shape[0] > self.max_rows:
             return self.dense(x)
-        matmul = quant_kernel.matmul_q8 if self.int8_activations else quant_kernel.matmul
-        y = matmul(x, self.blocks, self.qtype, self.isa)
+        if self.int8_activations:
+            y = quant_kernel.matmul_q8(x, self.blocks, self.qtype, self.isa)
+        else:
+            y = quant_kernel.matmul(x, self.blocks, self.qtype, self.isa, self.scales)
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -18,7 +18,7 @@ from engine.model.norm import RMSNorm
 from engine.model.quant_linear import NATIVE_MAX_ROWS
 from engine.model.rope import apply_rope
 from tests.model.test_gguf_weights import write_tiny_gguf
-from tests.model.test_quant_kernel import ISAS, random_blocks
+from tests.model.test_quant_kernel import ISAS, SCALED, random_blocks, scales_for
 from tests.paged import PagedRunner
 
 pytestmark = pytest.mark.skipif(not qk.quant_kernel_available(), reason="the C++ GGUF kernel does not build here")
@@ -43,7 +43,8 @@ def dense(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("rotary", [32, 16])  # all of head_dim 32, or a partial rotary (Phi-3 style)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_attn_in_equals_norm_projection_rope(isa: str, rows: int, rotary: int, with_bias: bool):
+@pytest.mark.parametrize("scaled", SCALED)
+def test_attn_in_equals_norm_projection_rope(isa: str, rows: int, rotary: int, with_bias: bool, scaled: bool):
     heads, kv_heads, head_dim, e = 4, 2, 32, 96  # e: a multiple of the block, not of a 64-wide tile
     g = torch.Generator().manual_seed(rows + rotary)
     n = (heads + 2 * kv_heads) * head_dim
@@ -53,7 +54,8 @@ def test_attn_in_equals_norm_projection_rope(isa: str, rows: int, rotary: int, w
     cos, sin = torch.randn(rows, rotary, generator=g), torch.randn(rows, rotary, generator=g)
 
     qkv = torch.empty(rows, n)
-    OPS.attn_in(h, norm_w, EPS, blocks, type_id("Q4_1"), bias, cos, sin, heads, kv_heads, head_dim, qk.ISAS[isa], qkv)
+    OPS.attn_in(h, norm_w, EPS, blocks, type_id("Q4_1"), bias, cos, sin, heads, kv_heads, head_dim, qk.ISAS[isa], qkv,
+                scales_for(blocks, "Q4_1", scaled))
 
     want = F.linear(RMSNorm(norm_w, EPS)(h), dense(blocks, "Q4_1"), bias)
     q = want[:, : heads * head_dim].view(rows, heads, head_dim)
@@ -67,7 +69,8 @@ def test_attn_in_equals_norm_projection_rope(isa: str, rows: int, rotary: int, w
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_bias: bool):
+@pytest.mark.parametrize("scaled", SCALED)
+def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_bias: bool, scaled: bool):
     e, hd, inter = 96, 64, 160
     g = torch.Generator().manual_seed(rows)
     o_blocks, gu_blocks, down_blocks = (random_blocks("Q8_0", e, hd, 1), random_blocks("Q4_1", 2 * inter, e, 2),
@@ -76,8 +79,9 @@ def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_b
     h, attn, norm_w = torch.randn(rows, e, generator=g), torch.randn(rows, hd, generator=g), torch.rand(e, generator=g) + 0.5
 
     got = h.clone()
+    scales = [scales_for(b, t, scaled) for b, t in ((o_blocks, "Q8_0"), (gu_blocks, "Q4_1"), (down_blocks, "Q4_0"))]
     OPS.attn_out_mlp(got, attn, o_blocks, type_id("Q8_0"), biases[0], norm_w, EPS, gu_blocks, type_id("Q4_1"),
-                     biases[1], down_blocks, type_id("Q4_0"), biases[2], qk.ISAS[isa])
+                     biases[1], down_blocks, type_id("Q4_0"), biases[2], qk.ISAS[isa], scales)
 
     want = h + F.linear(attn, dense(o_blocks, "Q8_0"), biases[0])
     gate, up = F.linear(RMSNorm(norm_w, EPS)(want), dense(gu_blocks, "Q4_1"), biases[1]).chunk(2, dim=-1)
@@ -90,14 +94,14 @@ def test_layers_refuses_lists_that_do_not_cover_every_layer():
     with pytest.raises(RuntimeError, match="per-layer lists"):
         OPS.layers(torch.zeros(1, 96), [torch.ones(96)] * 6, [8] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
                    4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0])
+                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4)
 
 
 def test_attn_out_mlp_refuses_shapes_that_do_not_chain():
     h, attn = torch.randn(1, 96), torch.randn(1, 64)
     o, gu, down = random_blocks("Q8_0", 96, 64, 1), random_blocks("Q8_0", 100, 96, 2), random_blocks("Q8_0", 96, 64, 3)
     with pytest.raises(RuntimeError, match="do not chain"):
-        OPS.attn_out_mlp(h, attn, o, 8, None, torch.ones(96), EPS, gu, 8, None, down, 8, None, 0)
+        OPS.attn_out_mlp(h, attn, o, 8, None, torch.ones(96), EPS, gu, 8, None, down, 8, None, 0, [None] * 3)
 
 
 def backends():

@@ -1,5 +1,6 @@
 """The GGUF block kernel: its dequantization equals the gguf package's bit for bit, and its
-matmul equals dequantize-then-F.linear (~1e-5) on every code path this CPU can run."""
+matmul equals dequantize-then-F.linear (~1e-5) on every code path this CPU can run, from the
+blocks' own fp16 scales and from their fp32 copies (block_scales) alike."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def isa_param(isa: str):
 
 ISAS = [isa_param(i) for i in ("portable", "avx2", "avx512")]
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+SCALED = [pytest.param(False, id="fp16-scales"), pytest.param(True, id="fp32-scales")]
+
+
+def scales_for(blocks: torch.Tensor, qtype: str, scaled: bool) -> torch.Tensor | None:
+    """The blocks' fp32 scale pairs where the case asks for them (Q8_0 has none)."""
+    return qk.block_scales(blocks, qtype) if scaled else None
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -43,11 +50,24 @@ def reference_dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_dequantize_equals_gguf_exactly(qtype: str, isa: str):
+@pytest.mark.parametrize("scaled", SCALED)
+def test_dequantize_equals_gguf_exactly(qtype: str, isa: str, scaled: bool):
     blocks = random_blocks(qtype, 37, 160, seed=1)
     want = reference_dequantize(blocks, qtype)
     assert want.shape == (37, 160)
-    torch.testing.assert_close(qk.dequantize(blocks, qtype, isa), want, rtol=0, atol=0)
+    got = qk.dequantize(blocks, qtype, isa, scales_for(blocks, qtype, scaled))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_block_scales_are_each_blocks_pair_in_fp32(qtype: str):
+    blocks = random_blocks(qtype, 5, 96, seed=2)
+    scales = qk.block_scales(blocks, qtype)
+    assert scales.shape == (5, 3, 2) and scales.dtype == torch.float32
+    halves = blocks.view(5, 3, -1)[..., :4].contiguous().view(torch.float16).float()  # [5, 3, 2]: d and (Q4_1) m
+    assert torch.equal(scales[..., 0], halves[..., 0])
+    assert torch.equal(scales[..., 1], halves[..., 1] if qtype == "Q4_1" else -8 * halves[..., 0])
+    assert qk.block_scales(random_blocks("Q8_0", 5, 96, seed=2), "Q8_0") is None
 
 
 # K = 96 and 608 are multiples of the block (32) but not of the vector tiles (64 at AVX-512 x 4)
@@ -55,11 +75,12 @@ def test_dequantize_equals_gguf_exactly(qtype: str, isa: str):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows,n,k", [(1, 33, 96), (2, 50, 608), (3, 17, 160), (7, 70, 96), (64, 31, 224),
                                       (161, 19, 96), (300, 45, 608)])
-def test_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int):
+@pytest.mark.parametrize("scaled", SCALED)
+def test_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int, scaled: bool):
     blocks = random_blocks(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = F.linear(x, reference_dequantize(blocks, qtype))
-    got = qk.matmul(x, blocks, qtype, isa)
+    got = qk.matmul(x, blocks, qtype, isa, scales_for(blocks, qtype, scaled))
     assert got.shape == (rows, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
@@ -77,6 +98,11 @@ def test_bad_inputs_are_refused():
         qk.matmul(torch.randn(2, 64), blocks[:, :-1].contiguous(), "Q8_0")
     with pytest.raises(RuntimeError, match="x must be float32"):
         qk.matmul(torch.randn(2, 32), blocks, "Q8_0")
+    q4 = random_blocks("Q4_1", 4, 64, seed=6)
+    with pytest.raises(RuntimeError, match="Q8_0 blocks take no fp32 scales"):
+        qk.matmul(torch.randn(2, 64), blocks, "Q8_0", scales=torch.zeros(4, 2, 2))
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous float32 \[N, K/32, 2\] = \[4, 2, 2\]"):
+        qk.matmul(torch.randn(2, 64), q4, "Q4_1", scales=qk.block_scales(q4, "Q4_1")[:3])
     with pytest.raises(ValueError, match="unknown kernel path"):
         qk.isa_supported("neon")
 

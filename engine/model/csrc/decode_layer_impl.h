@@ -16,10 +16,12 @@ struct Proj {
   const uint8_t* blocks;
   int64_t N, row_bytes, K;
   int qtype;
-  const float* bias;  // [N] or nullptr
+  const float* bias;    // [N] or nullptr
+  const float* scales;  // [N, K/32, 2] fp32 scale pairs (Q4) or nullptr
 };
 
-Proj proj_of(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa) {
+Proj proj_of(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa,
+             const c10::optional<at::Tensor>& scales) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype);
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % block_bytes(int(qtype)) == 0,
               "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
@@ -31,12 +33,13 @@ Proj proj_of(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Te
                 "stepwise_gguf: a bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
-  return Proj{blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), K, int(qtype), b};
+  return Proj{blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), K, int(qtype), b,
+              check_scales(scales, qtype, blocks.size(0), K)};
 }
 
 // out[T, N] = x[T, K] . dequant(W)^T (+ bias)
 void project(const Proj& p, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, int64_t isa) {
-  run_matmul(Job{x, ldx, T, p.blocks, p.N, p.row_bytes, p.K, out, ldo, p.qtype}, isa);
+  run_matmul(Job{x, ldx, T, p.blocks, p.N, p.row_bytes, p.K, out, ldo, p.qtype, p.scales}, isa);
   if (p.bias)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < p.N; ++n) out[t * ldo + n] += p.bias[n];
@@ -89,8 +92,9 @@ void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t
 // h [T, E], norm_w [E], cos/sin [T, R] (rows for the tokens' positions), qkv [T, (H + 2 KVH) D] (written)
 void attn_in(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at::Tensor& blocks, int64_t qtype,
              const c10::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-             int64_t kv_heads, int64_t head_dim, int64_t isa, const at::Tensor& qkv) {
-  const Proj p = proj_of(blocks, qtype, bias, isa);
+             int64_t kv_heads, int64_t head_dim, int64_t isa, const at::Tensor& qkv,
+             const c10::optional<at::Tensor>& scales) {
+  const Proj p = proj_of(blocks, qtype, bias, isa, scales);
   const int64_t T = h.size(0), E = p.K;
   for (const at::Tensor* t : {&h, &norm_w, &qkv})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "stepwise_gguf.attn_in: float32 contiguous tensors only");
@@ -130,9 +134,11 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
                   const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm_w, double eps,
                   const at::Tensor& gu_blocks, int64_t gu_qtype, const c10::optional<at::Tensor>& gu_bias,
                   const at::Tensor& down_blocks, int64_t down_qtype, const c10::optional<at::Tensor>& down_bias,
-                  int64_t isa) {
-  const Proj o = proj_of(o_blocks, o_qtype, o_bias, isa), gu = proj_of(gu_blocks, gu_qtype, gu_bias, isa),
-             down = proj_of(down_blocks, down_qtype, down_bias, isa);
+                  int64_t isa, const c10::List<c10::optional<at::Tensor>>& scales) {
+  TORCH_CHECK(scales.size() == 3, "stepwise_gguf.attn_out_mlp: scales must hold one entry (or None) for o, gate/up, down");
+  const Proj o = proj_of(o_blocks, o_qtype, o_bias, isa, scales.get(0)),
+             gu = proj_of(gu_blocks, gu_qtype, gu_bias, isa, scales.get(1)),
+             down = proj_of(down_blocks, down_qtype, down_bias, isa, scales.get(2));
   for (const at::Tensor* t : {&h, &attn, &norm_w})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "stepwise_gguf.attn_out_mlp: float32 contiguous tensors only");
   TORCH_CHECK(h.dim() == 2 && attn.dim() == 2 && attn.size(0) == h.size(0) && norm_w.numel() == h.size(1),
@@ -146,13 +152,14 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 // engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv blocks,
 // o blocks, post-attention norm, gate/up blocks, down blocks; types[4 l ..] and biases[4 l ..] =
 // those of qkv, o, gate/up, down; cos/sin[l] = the layer's rotary rows [T, R]; scale/window/softcap
-// [l] = its attention. kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables
+// [l] = its attention; scales[4 l ..] the projections' fp32 scale pairs (or None). kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables
 // as the attention kernel takes them (CpuPlan).
 void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
             const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos, at::TensorList sin, int64_t heads,
             int64_t kv_heads, int64_t head_dim, double eps, int64_t isa, const at::Tensor& kv,
             const at::Tensor& slot_mapping, const at::Tensor& tiles, const at::Tensor& block_tables,
-            at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap) {
+            at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap,
+            const c10::List<c10::optional<at::Tensor>>& scales) {
   static const auto attention =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("stepwise_cpu::paged_attention", "")
@@ -161,9 +168,10 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
                       double)>();
   const int64_t L = kv.size(0), T = h.size(0), E = h.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(int64_t(weights.size()) == 6 * L && int64_t(types.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
+                  int64_t(scales.size()) == 4 * L &&
                   int64_t(cos.size()) == L && int64_t(sin.size()) == L && int64_t(scale.size()) == L &&
                   int64_t(window.size()) == L && int64_t(softcap.size()) == L,
-              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/1 entries for each of the ", L, " layers");
+              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/4/1 entries for each of the ", L, " layers");
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
                   kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
               "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32 [L, 2, blocks, block_size, KVH, D]");
@@ -174,9 +182,10 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor *w = &weights[6 * l], *norm1 = w, *norm2 = w + 3;
-    const Proj pqkv = proj_of(w[1], types[4 * l], biases.get(4 * l), isa), o = proj_of(w[2], types[4 * l + 1], biases.get(4 * l + 1), isa),
-               gu = proj_of(w[4], types[4 * l + 2], biases.get(4 * l + 2), isa),
-               down = proj_of(w[5], types[4 * l + 3], biases.get(4 * l + 3), isa);
+    const auto proj = [&](int i, const at::Tensor& blocks) {
+      return proj_of(blocks, types[4 * l + i], biases.get(4 * l + i), isa, scales.get(4 * l + i));
+    };
+    const Proj pqkv = proj(0, w[1]), o = proj(1, w[2]), gu = proj(2, w[4]), down = proj(3, w[5]);
     TORCH_CHECK(pqkv.K == E && pqkv.N == q_size + 2 * kv_size && norm1->numel() == E && norm2->numel() == E &&
                     norm1->scalar_type() == at::kFloat && norm2->scalar_type() == at::kFloat && norm1->is_contiguous() &&
                     norm2->is_contiguous(), "stepwise_gguf.layers: layer ", l, "'s qkv projection or norms do not fit h");

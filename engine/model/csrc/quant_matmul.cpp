@@ -50,6 +50,7 @@ struct Job {
   float* out;
   int64_t ldo;
   int qtype;
+  const float* scales;  // Q4 only, optional: [N, K/32, 2] fp32 scale pairs (quant_matmul_impl.h)
 };
 
 // The int8-activation product: x already quantized (q8_matmul_impl.h), one row of codes per row of x.
@@ -125,6 +126,16 @@ void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t is
 #endif
 }
 
+// blocks' fp32 scale pairs, or nullptr: [N, K/32, 2] float32 for a Q4 type (Q8_0 has none)
+const float* check_scales(const c10::optional<at::Tensor>& scales, int64_t qtype, int64_t N, int64_t K) {
+  if (!scales.has_value()) return nullptr;
+  TORCH_CHECK(qtype != Q8_0, "stepwise_gguf: Q8_0 blocks take no fp32 scales");
+  TORCH_CHECK(scales->device().is_cpu() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->numel() == N * (K / 32) * 2, "stepwise_gguf: scales must be contiguous float32 [N, K/32, 2] = [",
+              N, ", ", K / 32, ", 2]");
+  return scales->data_ptr<float>();
+}
+
 // The product of a checked job, over torch's intra-op threads by panels of output rows.
 void run_matmul(const Job& job, int64_t isa) {
   const int64_t num_panels = (job.N + PANEL - 1) / PANEL;
@@ -141,7 +152,8 @@ void run_matmul(const Job& job, int64_t isa) {
 
 // x [T, K] float32 (rows may be strided, K contiguous), blocks [N, K/32 * block bytes] uint8,
 // out [T, N] float32 (written; K-contiguous rows).
-void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out,
+            const c10::optional<at::Tensor>& scales) {
   check_blocks(blocks, qtype, K, isa);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K &&
                   x.stride(1) == 1, "stepwise_gguf.matmul: x must be float32 [T, K] with contiguous rows");
@@ -150,16 +162,18 @@ void matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_
                   out.stride(1) == 1, "stepwise_gguf.matmul: out must be float32 [T, N] with contiguous rows");
   if (T == 0 || N == 0) return;
   run_matmul(Job{x.data_ptr<float>(), x.stride(0), T, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K,
-                 out.data_ptr<float>(), out.stride(0), int(qtype)}, isa);
+                 out.data_ptr<float>(), out.stride(0), int(qtype), check_scales(scales, qtype, N, K)}, isa);
 }
 
-// blocks [N, row bytes] -> out [N, K] float32 (written, contiguous).
-void dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+// blocks [N, row bytes] (scales [N, K/32, 2] or none) -> out [N, K] float32 (written, contiguous).
+void dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out,
+                const c10::optional<at::Tensor>& scales) {
   check_blocks(blocks, qtype, K, isa);
   const int64_t N = blocks.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
                   out.size(1) == K, "stepwise_gguf.dequantize: out must be contiguous float32 [N, K]");
-  const Job job{nullptr, 0, 0, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K, out.data_ptr<float>(), K, int(qtype)};
+  const Job job{nullptr, 0, 0, blocks.data_ptr<uint8_t>(), N, blocks.size(1), K, out.data_ptr<float>(), K, int(qtype),
+                check_scales(scales, qtype, N, K)};
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
 #ifdef STEPWISE_X86
     if (isa == 2) return avx512::dequant(job, n0, n1);
@@ -231,8 +245,8 @@ void matmul_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int
 }  // namespace
 
 TORCH_LIBRARY(stepwise_gguf, m) {
-  m.def("matmul(Tensor x, Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
-  m.def("dequantize(Tensor blocks, int qtype, int K, int isa, Tensor(a!) out) -> ()");
+  m.def("matmul(Tensor x, Tensor blocks, int qtype, int K, int isa, Tensor(a!) out, Tensor? scales=None) -> ()");
+  m.def("dequantize(Tensor blocks, int qtype, int K, int isa, Tensor(a!) out, Tensor? scales=None) -> ()");
   m.impl("matmul", c10::DispatchKey::CPU, TORCH_FN(matmul));
   m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
   m.def("quantize_q8(Tensor x, int isa, Tensor(a!) q, Tensor(b!) d, Tensor(c!) s) -> ()");
@@ -240,13 +254,13 @@ TORCH_LIBRARY(stepwise_gguf, m) {
   m.impl("quantize_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_q8));
   m.impl("matmul_q8", c10::DispatchKey::CPU, TORCH_FN(matmul_q8));
   m.def("attn_in(Tensor h, Tensor norm_w, float eps, Tensor blocks, int qtype, Tensor? bias, Tensor cos, Tensor sin, "
-        "int heads, int kv_heads, int head_dim, int isa, Tensor(a!) qkv) -> ()");
+        "int heads, int kv_heads, int head_dim, int isa, Tensor(a!) qkv, Tensor? scales=None) -> ()");
   m.def("attn_out_mlp(Tensor(a!) h, Tensor attn, Tensor o_blocks, int o_qtype, Tensor? o_bias, Tensor norm_w, "
         "float eps, Tensor gu_blocks, int gu_qtype, Tensor? gu_bias, Tensor down_blocks, int down_qtype, "
-        "Tensor? down_bias, int isa) -> ()");
+        "Tensor? down_bias, int isa, Tensor?[] scales) -> ()");
   m.def("layers(Tensor(a!) h, Tensor[] weights, int[] types, Tensor?[] biases, Tensor[] cos, Tensor[] sin, int heads, "
         "int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, Tensor slot_mapping, Tensor tiles, "
-        "Tensor block_tables, float[] scale, int[] window, float[] softcap) -> ()");
+        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] scales) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
   m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
   m.impl("attn_out_mlp", c10::DispatchKey::CPU, TORCH_FN(attn_out_mlp));

@@ -9,6 +9,12 @@
 // Nibble j of a block is the low half of byte j (weights 0..15), the high half is weight j+16.
 // Every product q*d is exact in fp32 (at most 8 + 11 significant bits), so whether the
 // compiler fuses "q*d + m" or not, a dequantized weight equals gguf's numpy dequantization.
+//
+// Q4 blocks may come with their scales already in fp32 (Job::scales, [N, K/32, 2], from
+// quant_kernel.block_scales): {d, m} for Q4_1 and {d, -8 d} for Q4_0, so both are
+// w = q * s0 + s1 with one rounding, the same weight as above ((q - 8) d = q d - 8 d exactly).
+// A block then costs no fp16 conversions and its codes are widened straight from memory: at
+// one row of x the kernel is bound by instructions per block, not by memory.
 
 using vf = float __attribute__((vector_size(SW * 4)));
 
@@ -98,14 +104,59 @@ inline void dequant_block(const uint8_t* b, vf* w) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// One Q4 block (QT = Q4_0 or Q4_1) with its fp32 scale pair s -> w[0..NV-1], in order.
 template <int QT>
-void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t K, float* out, int64_t n0, int64_t n1) {
+inline void dequant_q4_scaled(const uint8_t* b, const float* s, vf* w) {
+  const uint8_t* q = b + (QT == Q4_1 ? 4 : 2);
+#if STEPWISE_SW == 16
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));  // byte j: weights j, j + 16
+  const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
+  w[0] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
+  w[1] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+#elif STEPWISE_SW == 8
+  const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));        // weights 0..7, 16..23
+  const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));  // weights 8..15, 24..31
+  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
+  w[0] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mask)), d, m);
+  w[1] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mask)), d, m);
+  w[2] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), d, m);
+  w[3] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4)), d, m);
+#else
+  float tmp[32];
+  for (int j = 0; j < 16; ++j) {
+    tmp[j] = float(q[j] & 15) * s[0] + s[1];
+    tmp[j + 16] = float(q[j] >> 4) * s[0] + s[1];
+  }
+  std::memcpy(w, tmp, sizeof tmp);
+#endif
+}
+
+// Block b of weight row n: from the fp32 scales (SCALED, Q4 types only) or from the block's own.
+template <int QT, bool SCALED>
+inline void dequant_at(const uint8_t* blocks, int64_t row_bytes, const float* scales, int64_t nb, int64_t n, int64_t b,
+                       vf* w) {
+  const uint8_t* p = blocks + n * row_bytes + b * block_bytes(QT);
+  if constexpr (SCALED && QT != Q8_0)
+    dequant_q4_scaled<QT>(p, scales + (n * nb + b) * 2, w);
+  else
+    dequant_block<QT>(p, w);
+}
+
+
+// Weight rows [n0, n1) dequantized into out[n - n0, K].
+template <int QT>
+void dequant_rows(const uint8_t* blocks, int64_t row_bytes, const float* scales, int64_t K, float* out, int64_t n0,
+                  int64_t n1) {
   const int64_t nb = K / 32;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       vf w[NV];
-      dequant_block<QT>(blocks + n * row_bytes + b * block_bytes(QT), w);
-      for (int v = 0; v < NV; ++v) store(out + n * K + b * 32 + v * SW, w[v]);
+      if (scales)
+        dequant_at<QT, true>(blocks, row_bytes, scales, nb, n, b, w);
+      else
+        dequant_at<QT, false>(blocks, row_bytes, scales, nb, n, b, w);
+      for (int v = 0; v < NV; ++v) store(out + (n - n0) * K + b * 32 + v * SW, w[v]);
     }
 }
 
@@ -140,22 +191,22 @@ inline void rows_x_panel(const float* x, int64_t ldx, int64_t T, const float* w,
 
 // Few rows of x (decode): weights dequantized into registers and used at once, no panel.
 // Two accumulators per (row, weight row) pair keep two FMA chains in flight.
-template <int QT, int MR, int NR>
+template <int QT, bool SCALED, int MR, int NR>
 inline void direct(const Job& a, int64_t t, int64_t n) {
   vf acc[MR][NR][2] = {};
   const int64_t nb = a.K / 32;
   // The NR rows are one contiguous run of bytes; while it is read, the run PREFETCH_GROUPS
-  // runs ahead is requested line by line (there is little memory-level parallelism
-  // otherwise: each block takes more arithmetic than the hardware prefetcher's look-ahead).
-  const uint8_t* group = a.blocks + n * a.row_bytes;
-  const int64_t group_bytes = NR * a.row_bytes, ahead = PREFETCH_GROUPS * group_bytes;
+  // runs ahead is requested, a block's share of its lines at a time (there is little
+  // memory-level parallelism otherwise: each block takes more arithmetic than the hardware
+  // prefetcher's look-ahead).
+  const int64_t group_bytes = NR * a.row_bytes, share = (group_bytes + nb - 1) / nb;
+  const uint8_t* ahead = a.blocks + n * a.row_bytes + PREFETCH_GROUPS * group_bytes;
   const uint8_t* end = a.blocks + a.N * a.row_bytes;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t off = b * group_bytes / nb; off < (b + 1) * group_bytes / nb; off += 64)
-      if (group + ahead + off < end) __builtin_prefetch(group + ahead + off, 0, 0);
+  for (int64_t b = 0; b < nb; ++b, ahead += share) {
+    for (const uint8_t* line = ahead; line < ahead + share && line < end; line += 64) __builtin_prefetch(line, 0, 0);
     for (int j = 0; j < NR; ++j) {
       vf w[NV];
-      dequant_block<QT>(a.blocks + (n + j) * a.row_bytes + b * block_bytes(QT), w);
+      dequant_at<QT, SCALED>(a.blocks, a.row_bytes, a.scales, nb, n + j, b, w);
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < NV; ++v) acc[i][j][v & 1] += load(a.x + (t + i) * a.ldx + b * 32 + v * SW) * w[v];
     }
@@ -164,19 +215,19 @@ inline void direct(const Job& a, int64_t t, int64_t n) {
     for (int j = 0; j < NR; ++j) a.out[(t + i) * a.ldo + n + j] = hsum(acc[i][j][0] + acc[i][j][1]);
 }
 
-template <int QT, int MR, int NR>
+template <int QT, bool SCALED, int MR, int NR>
 inline void direct_rows(const Job& a, int64_t t, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) direct<QT, MR, NR>(a, t, n);
-  for (; n < n1; ++n) direct<QT, MR, 1>(a, t, n);
+  for (; n + NR <= n1; n += NR) direct<QT, SCALED, MR, NR>(a, t, n);
+  for (; n < n1; ++n) direct<QT, SCALED, MR, 1>(a, t, n);
 }
 
-template <int QT>
+template <int QT, bool SCALED>
 void direct_all(const Job& a, int64_t n0, int64_t n1) {
   switch (a.T) {
-    case 1: return direct_rows<QT, 1, 4>(a, 0, n0, n1);
-    case 2: return direct_rows<QT, 2, 2>(a, 0, n0, n1);
-    default: return direct_rows<QT, 3, 1>(a, 0, n0, n1);
+    case 1: return direct_rows<QT, SCALED, 1, 4>(a, 0, n0, n1);
+    case 2: return direct_rows<QT, SCALED, 2, 2>(a, 0, n0, n1);
+    default: return direct_rows<QT, SCALED, 3, 1>(a, 0, n0, n1);
   }
 }
 
@@ -185,11 +236,11 @@ void direct_all(const Job& a, int64_t n0, int64_t n1) {
 // read from memory once per step whatever the row count.
 template <int QT>
 void matmul_rows(const Job& a, int64_t n0, int64_t n1, float* panel) {
-  if (a.T <= DIRECT_MAX_ROWS) return direct_all<QT>(a, n0, n1);
+  if (a.T <= DIRECT_MAX_ROWS) return a.scales ? direct_all<QT, true>(a, n0, n1) : direct_all<QT, false>(a, n0, n1);
   const int64_t K = a.K;
   for (int64_t p = n0; p < n1; p += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - p);
-    dequant_rows<QT>(a.blocks + p * a.row_bytes, a.row_bytes, K, panel, 0, rows);
+    dequant_rows<QT>(a.blocks, a.row_bytes, a.scales, K, panel, p, p + rows);
     int64_t j = 0;
     for (; j + 2 <= rows; j += 2) rows_x_panel<2>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
     if (j < rows) rows_x_panel<1>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
@@ -206,8 +257,8 @@ inline void matmul(const Job& a, int64_t n0, int64_t n1, float* panel) {
 
 inline void dequant(const Job& a, int64_t n0, int64_t n1) {
   switch (a.qtype) {
-    case Q4_0: return dequant_rows<Q4_0>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
-    case Q4_1: return dequant_rows<Q4_1>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
-    default: return dequant_rows<Q8_0>(a.blocks, a.row_bytes, a.K, a.out, n0, n1);
+    case Q4_0: return dequant_rows<Q4_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
+    case Q4_1: return dequant_rows<Q4_1>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
+    default: return dequant_rows<Q8_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
   }
 }
