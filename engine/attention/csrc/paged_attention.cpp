@@ -154,32 +154,58 @@ inline void block(const Rows& w, const T* const* kp, const T* const* vp, int n, 
   if (w.softcap > 0.f)
     for (int r = 0; r < RB; ++r)
       for (int c = 0; c < n; ++c) s[r][c] = w.softcap * std::tanh(s[r][c] / w.softcap);
+  // Online softmax; keys outside a row's lo..pos get p = 0, and a row with none keeps its state
+  // (alpha = 1). The rows' rescale factors e^(m - m_new) come from one vector exp for all RB
+  // rows: a libm call per row put every live vector register on the stack and back.
+  static_assert(RB <= SW, "one lane per row");
   vi lane;
   for (int j = 0; j < SW; ++j) lane[j] = j;
-  for (int r = 0; r < RB; ++r) {  // online softmax; keys outside the row's lo..pos get p = 0
-    const int begin = std::max(0, w.lo[r] - p0), valid = std::min(n, w.pos[r] - p0 + 1);
-    if (valid <= begin) {
-      alpha[r] = 1.f;
-      std::memset(s[r], 0, sizeof s[r]);
-      continue;
-    }
-    vf sv[KV];
-    std::memcpy(sv, s[r], sizeof sv);
+  int begin[RB], valid[RB];
+  float m_new[RB];
+  vf shift{};  // lane r: m - m_new of row r (<= 0; -inf on a row's first chunk, 0 if no key)
+  for (int r = 0; r < RB; ++r) {
+    begin[r] = std::max(0, w.lo[r] - p0), valid[r] = std::min(n, w.pos[r] - p0 + 1);
     vf mv = vf{} - std::numeric_limits<float>::infinity();
-    for (int j = 0; j < KV; ++j)
-      mv = ((lane + j * SW >= begin) & (lane + j * SW < valid) & (sv[j] > mv)) ? sv[j] : mv;
-    const float m_new = std::max(w.m[r], hmax(mv));
-    alpha[r] = std::exp(w.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+    for (int j = 0; j < KV; ++j) {
+      vf x;
+      std::memcpy(&x, &s[r][j * SW], sizeof x);
+      mv = ((lane + j * SW >= begin[r]) & (lane + j * SW < valid[r]) & (x > mv)) ? x : mv;
+    }
+    m_new[r] = valid[r] > begin[r] ? std::max(w.m[r], hmax(mv)) : w.m[r];
+    shift[r] = valid[r] > begin[r] ? w.m[r] - m_new[r] : 0.f;
+  }
+  const vf factor = exp_neg(shift);  // e^-inf -> e^-87 ~ 1e-38, which only ever scales zeros
+  for (int r = 0; r < RB; ++r) {
+    alpha[r] = factor[r];
     vf sum{};
     for (int j = 0; j < KV; ++j) {
-      sv[j] = (lane + j * SW >= begin) & (lane + j * SW < valid) ? exp_neg(sv[j] - m_new) : vf{};
-      sum += sv[j];
+      vf x;
+      std::memcpy(&x, &s[r][j * SW], sizeof x);
+      x = (lane + j * SW >= begin[r]) & (lane + j * SW < valid[r]) ? exp_neg(x - m_new[r]) : vf{};
+      std::memcpy(&s[r][j * SW], &x, sizeof x);
+      sum += x;
     }
-    std::memcpy(s[r], sv, sizeof sv);
     w.l[r] = w.l[r] * alpha[r] + hsum(sum);
-    w.m[r] = m_new;
+    w.m[r] = m_new[r];
   }
-  for (int i = 0; i < nv; ++i) {  // acc = acc * alpha + p . v
+  // acc = acc * alpha + p . v, IV vectors of D per pass: RB x IV accumulators stay in (16)
+  // registers, and a key costs IV loads of V + RB broadcasts for RB x IV FMAs (was 1 + RB for RB).
+  constexpr int IV = RB <= 2 ? 4 : 2;
+  int i = 0;
+  for (; i + IV <= nv; i += IV) {
+    vf o[RB][IV];
+    for (int r = 0; r < RB; ++r)
+      for (int u = 0; u < IV; ++u) o[r][u] = load(w.acc + r * D + (i + u) * SW) * alpha[r];
+    for (int c = 0; c < KC; ++c) {
+      vf x[IV];
+      for (int u = 0; u < IV; ++u) x[u] = load(vp[c] + (i + u) * SW);
+      for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < IV; ++u) o[r][u] += s[r][c] * x[u];
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int u = 0; u < IV; ++u) store(w.acc + r * D + (i + u) * SW, o[r][u]);
+  }
+  for (; i < nv; ++i) {  // the same, one vector at a time (D / SW not a multiple of IV)
     vf o[RB];
     for (int r = 0; r < RB; ++r) o[r] = load(w.acc + r * D + i * SW) * alpha[r];
     for (int c = 0; c < KC; ++c) {

@@ -143,7 +143,6 @@ inline void dequant_at(const uint8_t* blocks, int64_t row_bytes, const float* sc
     dequant_block<QT>(p, w);
 }
 
-
 // Weight rows [n0, n1) dequantized into out[n - n0, K].
 template <int QT>
 void dequant_rows(const uint8_t* blocks, int64_t row_bytes, const float* scales, int64_t K, float* out, int64_t n0,
@@ -152,7 +151,7 @@ void dequant_rows(const uint8_t* blocks, int64_t row_bytes, const float* scales,
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       vf w[NV];
-      if (scales)
+      if (QT != Q8_0 && scales)
         dequant_at<QT, true>(blocks, row_bytes, scales, nb, n, b, w);
       else
         dequant_at<QT, false>(blocks, row_bytes, scales, nb, n, b, w);
@@ -236,7 +235,11 @@ void direct_all(const Job& a, int64_t n0, int64_t n1) {
 // read from memory once per step whatever the row count.
 template <int QT>
 void matmul_rows(const Job& a, int64_t n0, int64_t n1, float* panel) {
-  if (a.T <= DIRECT_MAX_ROWS) return a.scales ? direct_all<QT, true>(a, n0, n1) : direct_all<QT, false>(a, n0, n1);
+  if (a.T <= DIRECT_MAX_ROWS) {
+    if constexpr (QT != Q8_0)
+      if (a.scales) return direct_all<QT, true>(a, n0, n1);
+    return direct_all<QT, false>(a, n0, n1);
+  }
   const int64_t K = a.K;
   for (int64_t p = n0; p < n1; p += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - p);
