@@ -2,7 +2,9 @@
 
 fp32 activations, weights dequantized inside the kernel (exactly as the gguf package does),
 fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
-instead of 4 (fp32), and CPU decoding is memory-bound.
+instead of 4 (fp32), plus 0.25 for each Q4 block's scale pair in fp32 (`block_scales`): at one
+row a Q4 block costs more in instructions than in memory traffic, and the fp32 pairs spare it
+two fp16 conversions and their broadcasts.
 
 One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "portable";
 `best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
