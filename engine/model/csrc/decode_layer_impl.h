@@ -152,14 +152,15 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 // engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv blocks,
 // o blocks, post-attention norm, gate/up blocks, down blocks; types[4 l ..] and biases[4 l ..] =
 // those of qkv, o, gate/up, down; cos/sin[l] = the layer's rotary rows [T, R]; scale/window/softcap
-// [l] = its attention; scales[4 l ..] the projections' fp32 scale pairs (or None). kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables
-// as the attention kernel takes them (CpuPlan).
+// [l] = its attention; block_scales[4 l ..] = the projections' fp32 scale pairs (or None).
+// kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables as the attention
+// kernel takes them (CpuPlan).
 void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
             const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos, at::TensorList sin, int64_t heads,
             int64_t kv_heads, int64_t head_dim, double eps, int64_t isa, const at::Tensor& kv,
             const at::Tensor& slot_mapping, const at::Tensor& tiles, const at::Tensor& block_tables,
             at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap,
-            const c10::List<c10::optional<at::Tensor>>& scales) {
+            const c10::List<c10::optional<at::Tensor>>& block_scales) {
   static const auto attention =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("stepwise_cpu::paged_attention", "")
@@ -168,7 +169,7 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
                       double)>();
   const int64_t L = kv.size(0), T = h.size(0), E = h.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(int64_t(weights.size()) == 6 * L && int64_t(types.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
-                  int64_t(scales.size()) == 4 * L &&
+                  int64_t(block_scales.size()) == 4 * L &&
                   int64_t(cos.size()) == L && int64_t(sin.size()) == L && int64_t(scale.size()) == L &&
                   int64_t(window.size()) == L && int64_t(softcap.size()) == L,
               "stepwise_gguf.layers: per-layer lists must hold 6/4/4/4/1 entries for each of the ", L, " layers");
@@ -183,7 +184,7 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor *w = &weights[6 * l], *norm1 = w, *norm2 = w + 3;
     const auto proj = [&](int i, const at::Tensor& blocks) {
-      return proj_of(blocks, types[4 * l + i], biases.get(4 * l + i), isa, scales.get(4 * l + i));
+      return proj_of(blocks, types[4 * l + i], biases.get(4 * l + i), isa, block_scales.get(4 * l + i));
     };
     const Proj pqkv = proj(0, w[1]), o = proj(1, w[2]), gu = proj(2, w[4]), down = proj(3, w[5]);
     TORCH_CHECK(pqkv.K == E && pqkv.N == q_size + 2 * kv_size && norm1->numel() == E && norm2->numel() == E &&

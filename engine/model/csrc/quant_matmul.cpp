@@ -260,7 +260,7 @@ TORCH_LIBRARY(stepwise_gguf, m) {
         "Tensor? down_bias, int isa, Tensor?[] scales) -> ()");
   m.def("layers(Tensor(a!) h, Tensor[] weights, int[] types, Tensor?[] biases, Tensor[] cos, Tensor[] sin, int heads, "
         "int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, Tensor slot_mapping, Tensor tiles, "
-        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] scales) -> ()");
+        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] block_scales) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
   m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
   m.impl("attn_out_mlp", c10::DispatchKey::CPU, TORCH_FN(attn_out_mlp));
