@@ -40,7 +40,7 @@ class FusedLayers:
                          for t in (w.input_norm.weight, qkv.blocks, o.blocks, w.post_attn_norm.weight, gu.blocks, down.blocks)]
         self._types = [_type_id(p) for ps in projections for p in ps]
         self._biases = [p.bias for ps in projections for p in ps]
-        self._scales = [p.scales for ps in projections for p in ps]
+        self._block_scales = [p.scales for ps in projections for p in ps]
         self._isa = quant_kernel.ISAS[layers[0].qkv.isa]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]
@@ -70,7 +70,7 @@ class FusedLayers:
         plan: the CPU attention backend's CpuPlan for this step."""
         self._ops.layers(h, self._weights, self._types, self._biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
-                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, self._scales)
+                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, self._block_scales)
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""
