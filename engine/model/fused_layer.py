@@ -1,47 +1,82 @@
-"""A layer's work around attention in two C++ calls, for steps the GGUF kernel runs.
+"""A layer's work around attention in C++: two calls a layer, or the whole layer loop in one.
 
 A decode step of one row spends as long in ~45 small ATen ops per layer (norms, RoPE, slicing,
-residual adds, each a Python call and a dispatch) as in its projections. Where every projection
-of every layer runs on GGUF blocks (weight_format "gguf", fp32 activations) and the layer is
-plain Llama arithmetic, a step of at most `max_rows` rows runs each layer as:
+residual adds, each a Python call and a dispatch) as in its projections; a step of many rows
+still spends ~10 % of its time in them and in Python. Where a model's layers are plain Llama
+arithmetic (fp32, CPU), each layer runs as:
 
     attn_in       rms_norm -> qkv projection (+ bias) -> RoPE on q and k      (C++)
     attention     the configured backend, unchanged                           (store K/V, attend)
     attn_out_mlp  o projection -> residual -> rms_norm -> gate/up -> silu * up -> down -> residual  (C++)
 
+Two sets of weights can run it:
+- kernel: every projection on GGUF blocks (QuantLinear, fp32 activations), for steps of at most
+  `max_rows` rows, where our block kernel beats the dense copy;
+- dense: every projection's oneDNN-prepacked fp32 weight (the QuantLinear's dense copy, or the
+  Linear of a dequantized / Hugging Face model), for any step, called from C++ as the Python
+  path calls it (torch.ops.mkldnn._linear_pointwise).
 With the CPU attention backend the loop itself runs in C++ too (`layers_in_one_call`: one call
 a step, the attention kernel called between the halves), which saves the ~30 us of Python per
-layer that slicing q/k/v and calling three ops costs.
+layer that slicing q/k/v and calling three ops costs, on either set. Without it, kernel steps
+run the two halves from Python, and other steps op by op.
 
 Same arithmetic as the op-by-op path (engine/model/csrc/decode_layer_impl.h says where the
 rounding order is kept); only the order of fp32 additions in the norms and products differs,
 as it already does between the kernel and the dense copy. Families with other arithmetic
-(Gemma norms, q/k norms, gelu) and the int8-activation kernel keep the op-by-op path.
+(Gemma norms, q/k norms, gelu) keep the op-by-op path; the int8-activation kernel
+("gguf-q8") keeps it for its kernel steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.model import quant_kernel
+from engine.model.linear import Linear
 from engine.model.quant_linear import QuantLinear
+
+DENSE = -1  # a projection's type id in the C++ ops when its weight is a oneDNN-prepacked fp32 one
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One weight set of every layer, flattened as the C++ `layers` op takes it."""
+
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate/up, down
+    types: list[int]  # per layer: qkv, o, gate/up, down (ggml type id, or DENSE)
+    biases: list[torch.Tensor | None]  # the same four
+    scales: list[torch.Tensor | None]  # the same four: fp32 scale pairs of Q4 blocks, else None
+
+
+def _dense(p) -> Linear | None:
+    """A projection's oneDNN-prepacked fp32 weight, or None where it has none."""
+    dense = p.dense if isinstance(p, QuantLinear) else p
+    return dense if isinstance(dense, Linear) and dense.kind == "onednn" else None
 
 
 class FusedLayers:
-    def __init__(self, layers, eps: float, heads: int, kv_heads: int, head_dim: int, attention):
+    def __init__(self, layers, eps: float, heads: int, kv_heads: int, head_dim: int, attention,
+                 kernel: bool, dense: bool):
         self.layers = layers
         self.eps = eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.max_rows = min(p.max_rows for w in layers for p in (w.qkv, w.o, w.gate_up, w.down))
         self._ops = torch.ops.stepwise_gguf
-        # every layer in one call (`layers`): its arguments, flattened per layer, built once
         projections = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]
-        self._weights = [t for w, (qkv, o, gu, down) in zip(layers, projections)
-                         for t in (w.input_norm.weight, qkv.blocks, o.blocks, w.post_attn_norm.weight, gu.blocks, down.blocks)]
-        self._types = [_type_id(p) for ps in projections for p in ps]
-        self._biases = [p.bias for ps in projections for p in ps]
-        self._block_scales = [p.scales for ps in projections for p in ps]
-        self._isa = quant_kernel.ISAS[layers[0].qkv.isa]
+        norms = [(w.input_norm.weight, w.post_attn_norm.weight) for w in layers]
+
+        def weight_set(pick) -> _Weights:
+            chosen = [tuple(pick(p) for p in ps) for ps in projections]
+            return _Weights(
+                [t for (n1, n2), (qkv, o, gu, down) in zip(norms, chosen) for t in (n1, qkv[0], o[0], n2, gu[0], down[0])],
+                [c[1] for ps in chosen for c in ps], [c[2] for ps in chosen for c in ps], [c[3] for ps in chosen for c in ps])
+
+        # kernel steps (at most max_rows rows): GGUF blocks; other steps: the dense copies
+        self.kernel = weight_set(lambda p: (p.blocks, _type_id(p), p.bias, p.scales)) if kernel else None
+        self.dense = weight_set(lambda p: (_dense(p).weight, DENSE, _dense(p).bias, None)) if dense else None
+        self.max_rows = min(p.max_rows for ps in projections for p in ps) if kernel else 0
+        self._isa = quant_kernel.ISAS[layers[0].qkv.isa] if kernel else quant_kernel.ISAS[quant_kernel.best_isa()]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]
         self._softcap = [a.softcap or 0.0 for a in attention]
@@ -54,23 +89,31 @@ class FusedLayers:
         plain = not spec.gemma_norms and spec.activation == "silu" and model.device.type == "cpu"
         if not plain or model.embed.dtype != torch.float32:  # the norms' weights share the model's dtype
             return None
-        for w in model.layers:
-            projections = (w.qkv, w.o, w.gate_up, w.down)
-            if w.q_norm is not None or w.pre_ff_norm is not None or w.post_ff_norm is not None:
-                return None
-            if not all(isinstance(p, QuantLinear) and not p.int8_activations for p in projections):
-                return None
+        if any(w.q_norm is not None or w.pre_ff_norm is not None or w.post_ff_norm is not None for w in model.layers):
+            return None
+        projections = [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+        kernel = all(isinstance(p, QuantLinear) and not p.int8_activations for p in projections)
+        dense = all(_dense(p) is not None for p in projections)
+        if not (kernel or dense) or not quant_kernel.quant_kernel_available():
+            return None
         s = model.shape
-        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention)
+        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention, kernel, dense)
+
+    def weights_for(self, rows: int) -> _Weights | None:
+        """The weight set a step of `rows` rows runs on: the kernel's up to max_rows, else the
+        dense one; None where neither applies (op by op)."""
+        return self.kernel if rows <= self.max_rows else self.dense
 
     def layers_in_one_call(self, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], kv: torch.Tensor,
                            plan) -> None:
         """h [T, E] through every layer in one C++ call, attention by the CPU kernel. rope: each
         layer's (cos, sin) rows [T, R]; kv: the whole cache [L, 2, blocks, block_size, KVH, D];
-        plan: the CPU attention backend's CpuPlan for this step."""
-        self._ops.layers(h, self._weights, self._types, self._biases, [c for c, _ in rope], [s for _, s in rope],
+        plan: the CPU attention backend's CpuPlan for this step. The step must have a weight set
+        (weights_for)."""
+        w = self.weights_for(h.shape[0])
+        self._ops.layers(h, w.weights, w.types, w.biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
-                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, self._block_scales)
+                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, w.scales)
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""

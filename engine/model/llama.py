@@ -74,14 +74,14 @@ class LlamaModel:
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
         self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.embed)
-        # steps of few rows on GGUF blocks run each layer in two C++ calls (None: op by op)
+        # plain Llama layers run in C++ (engine/model/fused_layer.py; None: op by op)
         self.fused = FusedLayers.for_model(self)
 
     @property
     def small_step_rows(self) -> int | None:
         """The most rows (tokens) a step runs on the GGUF kernels before the dense copies take
         over: the step-cost model fits the two regimes apart. None: every step runs one path."""
-        if self.fused is not None:
+        if self.fused is not None and self.fused.kernel is not None:
             return self.fused.max_rows
         rows = [lin.max_rows for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)
                 if isinstance(lin, QuantLinear) and lin.dense is not None]
@@ -157,8 +157,12 @@ class LlamaModel:
         h = self.embed[input_ids]  # [T, E]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if self.fused is not None and num_tokens <= self.fused.max_rows:
-            return self._forward_fused(h, rope, meta, kv_cache, prepared, logits_rows)
+        fused = self.fused
+        if fused is not None and isinstance(prepared, CpuPlan) and fused.weights_for(num_tokens) is not None:
+            fused.layers_in_one_call(h, [rope[key] for key in spec.rope_keys], kv_cache.data, prepared)
+            return self._logits(h, logits_rows)
+        if fused is not None and num_tokens <= fused.max_rows:
+            return self._forward_halves(h, rope, meta, kv_cache, prepared, logits_rows)
         for i, w in enumerate(self.layers):
             x = w.input_norm(h)
             q, k, v = self._heads(w.qkv(x))
@@ -181,13 +185,10 @@ class LlamaModel:
             h = h + (y if w.post_ff_norm is None else w.post_ff_norm(y))
         return self._logits(h, logits_rows)
 
-    def _forward_fused(self, h, rope, meta, kv_cache, prepared, logits_rows) -> torch.Tensor:
-        """forward() for a step of few rows on GGUF blocks: each layer is two C++ calls around
-        attention (engine/model/fused_layer.py)."""
+    def _forward_halves(self, h, rope, meta, kv_cache, prepared, logits_rows) -> torch.Tensor:
+        """forward() for a step of few rows on GGUF blocks with an attention backend other than
+        the CPU kernel: each layer is two C++ calls around it (engine/model/fused_layer.py)."""
         spec, fused = self.spec, self.fused
-        if isinstance(prepared, CpuPlan):  # the layer loop in C++ as well
-            fused.layers_in_one_call(h, [rope[key] for key in spec.rope_keys], kv_cache.data, prepared)
-            return self._logits(h, logits_rows)
         num_tokens, q_size = h.shape[0], self.shape.num_heads * self.shape.head_dim
         for i in range(len(self.layers)):
             cos, sin = rope[spec.rope_keys[i]]

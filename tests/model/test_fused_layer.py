@@ -1,7 +1,9 @@
 """The fused layer halves (attn_in, attn_out_mlp): each equals the op-by-op arithmetic on random
 GGUF blocks on every kernel path this CPU runs; a model on GGUF blocks runs its small steps
-through them (with the CPU attention kernel, every layer in one `layers` call) with the same
-logits as op by op, and keeps the op-by-op path where it must."""
+through them (with the CPU attention kernel, every layer in one `layers` call) and, with the CPU
+kernel, its large steps through `layers` on the oneDNN-prepacked dense copies, as does a
+dequantized model every step: all with the same logits as op by op. Layers with other
+arithmetic keep the op-by-op path."""
 
 from __future__ import annotations
 
@@ -124,26 +126,67 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
         model.fused = fused if use_fused else None
         runner = PagedRunner(model, num_blocks=16)
         prompts = {0: list(range(3, 23)), 1: list(range(40, 45)), 2: list(range(60, 63))}
-        out = [runner.step([(0, prompts[0])])]  # 20 rows: op by op, even with the fused path on
+        out = [runner.step([(0, prompts[0])])]  # 20 rows: more than the kernel takes
         out.append(runner.step([(1, prompts[1]), (2, prompts[2]), (0, [7])]))  # a prefill mix of 9 rows
         for t in range(4):  # decodes of 3 rows, then of 1
             out.append(runner.step([(0, [8 + t]), (1, [9 + t]), (2, [10 + t])] if t < 2 else [(1, [11 + t])]))
         return out
 
     got, want = run(True), run(False)
-    # the 20-row step never came here; with the CPU kernel the layer loop is one C++ call a step
-    assert calls == ([9, 3, 3, 1, 1] if backend is CpuAttention else [9] * 2 + [3] * 4 + [1] * 4)
+    # with the CPU kernel the layer loop is one C++ call a step, the 20-row one on the dense
+    # copies; without it, kernel steps call the halves per layer and the 20-row step is op by op
+    assert calls == ([20, 9, 3, 3, 1, 1] if backend is CpuAttention else [9] * 2 + [3] * 4 + [1] * 4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
-def test_fused_path_only_for_plain_layers_on_fp32_gguf_kernels(tmp_path, tiny_model):
+def test_fused_weight_sets_follow_the_weight_format(tmp_path, tiny_model):
     loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
-    assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").fused is not None
-    for fmt in ("dequantized", "gguf-q8"):  # dense weights; int8 activations keep their own kernel
-        assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format=fmt).fused is None
-    assert LlamaModel(tiny_model.hf_model, TorchAttention()).fused is None  # no GGUF blocks at all
+
+    def sets(model: LlamaModel) -> tuple[bool, bool] | None:
+        f = model.fused
+        return None if f is None else (f.kernel is not None, f.dense is not None)
+
+    assert sets(LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf")) == (True, True)
+    for fmt in ("dequantized", "gguf-q8"):  # dense weights only; int8 activations keep their own kernel op by op
+        assert sets(LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format=fmt)) == (False, True)
+    assert sets(LlamaModel(tiny_model.hf_model, TorchAttention())) == (False, True)  # an HF model's oneDNN weights
+    assert LlamaModel(tiny_model.hf_model, TorchAttention(), linear="torch").fused is None  # plain F.linear weights
+    assert LlamaModel(tiny_model.hf_model, TorchAttention(), linear="int8").fused is None
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
+def test_dense_model_runs_every_step_in_one_call_with_op_by_op_logits(tiny_model):
+    model = LlamaModel(tiny_model.hf_model, CpuAttention())
+    fused = model.fused
+    calls = []
+    all_layers = fused.layers_in_one_call
+    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
+
+    def run(use_fused: bool) -> list[torch.Tensor]:
+        model.fused = fused if use_fused else None
+        runner = PagedRunner(model, num_blocks=32)
+        out = [runner.step([(0, list(range(3, 40))), (1, list(range(50, 53)))])]  # a 40-row prefill
+        for t in range(3):  # decodes of 2 rows
+            out.append(runner.step([(0, [8 + t]), (1, [9 + t])]))
+        return out
+
+    got, want = run(True), run(False)
+    assert calls == [40, 2, 2, 2]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_layers_refuses_a_dense_weight_that_is_not_prepacked():
+    kv = torch.zeros(1, 2, 4, 16, 2, 32)
+    weights = [torch.ones(96), torch.ones(256, 96), torch.ones(96, 128), torch.ones(96), torch.ones(320, 96),
+               torch.ones(96, 160)]
+    with pytest.raises(RuntimeError, match="oneDNN-prepacked"):
+        OPS.layers(torch.zeros(1, 96), weights, [-1] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
+                   4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4)
 
 
 def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tmp_path, tiny_model):
@@ -151,6 +194,6 @@ def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tm
     rows = NATIVE_MAX_ROWS[qk.best_isa()]
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").small_step_rows == rows
     q8 = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
-    assert q8.fused is None and q8.small_step_rows == rows  # op by op, the same switch in every projection
+    assert q8.fused.kernel is None and q8.small_step_rows == rows  # kernel steps op by op, the same switch everywhere
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized").small_step_rows is None
     assert LlamaModel(tiny_model.hf_model, TorchAttention()).small_step_rows is None  # dense weights: one regime

@@ -11,54 +11,117 @@
 // own kernel (at::silu_out), then one rounded multiply by u. Only the order of the additions in
 // the norm's mean and in the products differs from the op-by-op path.
 
-// A projection's blocks, as the Python QuantLinear holds them.
+// A projection: GGUF blocks for our kernel, as the Python QuantLinear holds them, or (qtype
+// DENSE) the oneDNN-prepacked fp32 weight a Linear holds, multiplied by oneDNN.
+constexpr int64_t DENSE = -1;
+
 struct Proj {
   const uint8_t* blocks;
   int64_t N, row_bytes, K;
   int qtype;
   const float* bias;    // [N] or nullptr
   const float* scales;  // [N, K/32, 2] fp32 scale pairs (Q4) or nullptr
+  at::Tensor packed;    // DENSE: the prepacked weight [N, K]
+  c10::optional<at::Tensor> dense_bias;  // DENSE: the bias, which oneDNN adds
 };
 
-Proj proj_of(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa,
+Proj proj_of(const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa,
              const c10::optional<at::Tensor>& scales) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % block_bytes(int(qtype)) == 0,
-              "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
-  const int64_t K = blocks.size(1) / block_bytes(int(qtype)) * 32;
-  check_blocks(blocks, qtype, K, isa);
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == blocks.size(0),
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
                 "stepwise_gguf: a bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
-  return Proj{blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), K, int(qtype), b,
-              check_scales(scales, qtype, blocks.size(0), K)};
+  if (qtype == DENSE) {
+    TORCH_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2 && !scales.has_value(),
+                "stepwise_gguf: a dense projection must be a oneDNN-prepacked float32 [N, K] weight, without scales");
+    return Proj{nullptr, weight.size(0), 0, weight.size(1), int(DENSE), nullptr, nullptr, weight, bias};
+  }
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % block_bytes(int(qtype)) == 0,
+              "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
+  const int64_t K = weight.size(1) / block_bytes(int(qtype)) * 32;
+  check_blocks(weight, qtype, K, isa);
+  return Proj{weight.data_ptr<uint8_t>(), weight.size(0), weight.size(1), K, int(qtype), b,
+              check_scales(scales, qtype, weight.size(0), K), {}, {}};
 }
 
-// out[T, N] = x[T, K] . dequant(W)^T (+ bias)
-void project(const Proj& p, const float* x, int64_t ldx, int64_t T, float* out, int64_t ldo, int64_t isa) {
-  run_matmul(Job{x, ldx, T, p.blocks, p.N, p.row_bytes, p.K, out, ldo, p.qtype, p.scales}, isa);
+// Rows per thread below which an elementwise pass over T rows of `width` values stays on the
+// calling thread (at::parallel_for runs inline then): a decode step of few rows opens no
+// parallel region for it.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// Where a [T, N] result lands: our kernel writes into `buf`, reused by every layer of a call
+// (one allocation, not one a layer); oneDNN returns a tensor of its own, held in `owner`.
+struct Out {
+  std::vector<float> buf;
+  at::Tensor owner;
+  float* data = nullptr;
+
+  float* take(int64_t n) {  // buf as the result's storage
+    if (int64_t(buf.size()) < n) buf.resize(n);
+    owner.reset();
+    return data = buf.data();
+  }
+};
+
+// out[T, N] = x[T, K] . W^T (+ bias): our kernel on GGUF blocks, or oneDNN on the dense copy.
+void project(const Proj& p, const float* x, int64_t ldx, int64_t T, int64_t isa, Out& out) {
+  if (p.qtype == DENSE) {
+    static const auto linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                              c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {T, p.K}, {ldx, 1}, at::TensorOptions().dtype(at::kFloat));
+    out.owner = linear.call(xt, p.packed, p.dense_bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+    out.data = out.owner.data_ptr<float>();
+    return;
+  }
+  float* o = out.take(T * p.N);
+  run_matmul(Job{x, ldx, T, p.blocks, p.N, p.row_bytes, p.K, o, p.N, p.qtype, p.scales}, isa);
   if (p.bias)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = 0; n < p.N; ++n) out[t * ldo + n] += p.bias[n];
+    at::parallel_for(0, T, grain(p.N), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t n = 0; n < p.N; ++n) o[t * p.N + n] += p.bias[n];
+    });
 }
+
+// Buffers a call reuses from layer to layer.
+struct Scratch {
+  std::vector<float> x, act;  // normed rows [T, E]; silu(g) * u [T, I]
+  Out qkv, y, g;              // projections: qkv [T, N], o and down [T, E], gate/up [T, 2I]
+
+  float* rows(std::vector<float>& v, int64_t n) {
+    if (int64_t(v.size()) < n) v.resize(n);
+    return v.data();
+  }
+};
 
 // y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)) for T rows of E values
 void rms_norm(const float* x, int64_t T, int64_t E, const float* w, float eps, float* y) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xr = x + t * E;
-    float lanes[16] = {};  // 16 partial sums, as a vectorized reduction keeps them
-    for (int64_t e = 0; e < E; ++e) lanes[e % 16] += xr[e] * xr[e];
-    float ss = 0.f;
-    for (float l : lanes) ss += l;
-    const float r = 1.f / std::sqrt(ss / float(E) + eps);
-    for (int64_t e = 0; e < E; ++e) {
-      const float n = xr[e] * r;
-      y[t * E + e] = w[e] * n;
+  at::parallel_for(0, T, grain(E), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = x + t * E;
+      float lanes[16] = {};  // 16 partial sums, as a vectorized reduction keeps them
+      for (int64_t e = 0; e < E; ++e) lanes[e % 16] += xr[e] * xr[e];
+      float ss = 0.f;
+      for (float l : lanes) ss += l;
+      const float r = 1.f / std::sqrt(ss / float(E) + eps);
+      for (int64_t e = 0; e < E; ++e) {
+        const float n = xr[e] * r;
+        y[t * E + e] = w[e] * n;
+      }
     }
-  }
+  });
+}
+
+// h[T, E] += y[T, E]
+void add_rows(float* h, const float* y, int64_t T, int64_t E) {
+  at::parallel_for(0, T, grain(E), [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * E; i < t1 * E; ++i) h[i] += y[i];
+  });
 }
 
 // x[0..R) of one head rotated in place: x*cos + rotate_half(x)*sin, rotate_half = (-x2, x1)
@@ -70,15 +133,18 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
   for (int64_t j = half; j < R; ++j) x[j] = tmp[j] * c[j] + tmp[j - half] * s[j];
 }
 
-// x = rms_norm(h); qkv = x . W^T (+ b); RoPE on the first heads + kv_heads heads of each row
+// x = rms_norm(h); qkv = x . W^T (+ b) [T, N] into sc.qkv; RoPE on the first heads + kv_heads heads of each row
 void attn_in_raw(const float* h, int64_t T, const float* norm_w, float eps, const Proj& p, const float* cos,
-                 const float* sin, int64_t R, int64_t rotated_heads, int64_t head_dim, int64_t isa, float* qkv) {
-  std::vector<float> x(T * p.K);
-  rms_norm(h, T, p.K, norm_w, eps, x.data());
-  project(p, x.data(), p.K, T, qkv, p.N, isa);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t hd = 0; hd < rotated_heads; ++hd)  // q heads, then k heads (v is not rotated)
-      rope_head(qkv + t * p.N + hd * head_dim, cos + t * R, sin + t * R, R);
+                 const float* sin, int64_t R, int64_t rotated_heads, int64_t head_dim, int64_t isa, Scratch& sc) {
+  float* x = sc.rows(sc.x, T * p.K);
+  rms_norm(h, T, p.K, norm_w, eps, x);
+  project(p, x, p.K, T, isa, sc.qkv);
+  float* out = sc.qkv.data;
+  at::parallel_for(0, T, grain(p.N), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t hd = 0; hd < rotated_heads; ++hd)  // q heads, then k heads (v is not rotated)
+        rope_head(out + t * p.N + hd * head_dim, cos + t * R, sin + t * R, R);
+  });
 }
 
 void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t head_dim) {
@@ -102,26 +168,31 @@ void attn_in(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at
   TORCH_CHECK(p.N == (heads + 2 * kv_heads) * head_dim && qkv.dim() == 2 && qkv.size(0) == T && qkv.size(1) == p.N,
               "stepwise_gguf.attn_in: qkv must be [T, (heads + 2 kv_heads) head_dim] = [T, ", p.N, "]");
   check_rope(cos, sin, T, head_dim);
+  Scratch sc;
   attn_in_raw(h.data_ptr<float>(), T, norm_w.data_ptr<float>(), float(eps), p, cos.data_ptr<float>(),
-              sin.data_ptr<float>(), cos.size(-1), heads + kv_heads, head_dim, isa, qkv.data_ptr<float>());
+              sin.data_ptr<float>(), cos.size(-1), heads + kv_heads, head_dim, isa, sc);
+  std::memcpy(qkv.data_ptr<float>(), sc.qkv.data, T * p.N * sizeof(float));
 }
 
 // h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b); h += (silu(g) * u) . Wd^T (+ b)
 void attn_out_mlp_raw(float* hp, int64_t T, const float* attn, const Proj& o, const float* norm_w, float eps,
-                      const Proj& gu, const Proj& down, int64_t isa) {
+                      const Proj& gu, const Proj& down, int64_t isa, Scratch& sc) {
   const int64_t E = o.N, I = down.K;
-  std::vector<float> y(T * E), x(T * E), g(T * 2 * I), a(T * I);
-  project(o, attn, o.K, T, y.data(), E, isa);
-  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
-  rms_norm(hp, T, E, norm_w, eps, x.data());
-  project(gu, x.data(), E, T, g.data(), 2 * I, isa);
+  project(o, attn, o.K, T, isa, sc.y);
+  add_rows(hp, sc.y.data, T, E);
+  float* x = sc.rows(sc.x, T * E);
+  rms_norm(hp, T, E, norm_w, eps, x);
+  project(gu, x, E, T, isa, sc.g);  // [T, 2I]: gate, then up
+  float *g = sc.g.data, *a = sc.rows(sc.act, T * I);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor act = at::from_blob(a.data(), {T, I}, f32);
-  at::silu_out(act, at::from_blob(g.data(), {T, I}, {2 * I, 1}, f32));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) a[t * I + i] *= g[t * 2 * I + I + i];
-  project(down, a.data(), I, T, y.data(), E, isa);
-  for (int64_t i = 0; i < T * E; ++i) hp[i] += y[i];
+  at::Tensor act = at::from_blob(a, {T, I}, f32);
+  at::silu_out(act, at::from_blob(g, {T, I}, {2 * I, 1}, f32));
+  at::parallel_for(0, T, grain(I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; ++i) a[t * I + i] *= g[t * 2 * I + I + i];
+  });
+  project(down, a, I, T, isa, sc.y);
+  add_rows(hp, sc.y.data, T, E);
 }
 
 void check_chain(const Proj& o, const Proj& gu, const Proj& down, int64_t E, int64_t attn_width) {
@@ -144,8 +215,9 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
   TORCH_CHECK(h.dim() == 2 && attn.dim() == 2 && attn.size(0) == h.size(0) && norm_w.numel() == h.size(1),
               "stepwise_gguf.attn_out_mlp: h [T, E], attn [T, H D] and norm_w [E] do not match");
   check_chain(o, gu, down, h.size(1), attn.size(1));
+  Scratch sc;
   attn_out_mlp_raw(h.data_ptr<float>(), h.size(0), attn.data_ptr<float>(), o, norm_w.data_ptr<float>(), float(eps), gu,
-                   down, isa);
+                   down, isa, sc);
 }
 
 // Every layer of a step in one call, with the CPU attention kernel (stepwise_cpu::paged_attention,
@@ -176,11 +248,10 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
                   kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
               "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32 [L, 2, blocks, block_size, KVH, D]");
-  const at::Tensor qkv = at::empty({T, q_size + 2 * kv_size}, h.options());
   const at::Tensor out = at::empty({T, heads, head_dim}, h.options());
-  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+  Scratch sc;
+  at::Tensor q, k, v;
+  const float* viewed = nullptr;  // the qkv buffer q/k/v view (oneDNN returns a new one every layer)
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor *w = &weights[6 * l], *norm1 = w, *norm2 = w + 3;
     const auto proj = [&](int i, const at::Tensor& blocks) {
@@ -193,10 +264,18 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
     check_chain(o, gu, down, E, q_size);
     check_rope(cos[l], sin[l], T, head_dim);
     attn_in_raw(h.data_ptr<float>(), T, norm1->data_ptr<float>(), float(eps), pqkv, cos[l].data_ptr<float>(),
-                sin[l].data_ptr<float>(), cos[l].size(-1), heads + kv_heads, head_dim, isa, qkv.data_ptr<float>());
+                sin[l].data_ptr<float>(), cos[l].size(-1), heads + kv_heads, head_dim, isa, sc);
+    if (sc.qkv.data != viewed) {  // q/k/v views of this layer's qkv [T, (H + 2 KVH) D]: the kernel's reused
+      const at::Tensor qkv = sc.qkv.owner.defined() ? sc.qkv.owner : at::from_blob(sc.qkv.data, {T, pqkv.N}, h.options());
+      q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
+      k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
+      v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
+      viewed = sc.qkv.data;
+    }
     const at::Tensor layer_kv = kv.select(0, l);
     attention.call(q, k, v, layer_kv.select(0, 0), layer_kv.select(0, 1), slot_mapping, tiles, block_tables, out,
                    scale[l], window[l], softcap[l]);
-    attn_out_mlp_raw(h.data_ptr<float>(), T, out.data_ptr<float>(), o, norm2->data_ptr<float>(), float(eps), gu, down, isa);
+    attn_out_mlp_raw(h.data_ptr<float>(), T, out.data_ptr<float>(), o, norm2->data_ptr<float>(), float(eps), gu, down, isa,
+                     sc);
   }
 }

@@ -263,5 +263,6 @@ TORCH_LIBRARY(stepwise_gguf, m) {
         "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] block_scales) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
   m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
+  m.impl("layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(layers));  // dense weights are oneDNN tensors
   m.impl("attn_out_mlp", c10::DispatchKey::CPU, TORCH_FN(attn_out_mlp));
 }
