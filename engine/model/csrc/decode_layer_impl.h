@@ -1,6 +1,9 @@
-// A plain (Llama-arithmetic) decoder layer's work around attention, for steps of few rows with
-// every projection on GGUF blocks: two calls a layer instead of ~45 small ATen ops from Python.
-// quant_matmul.cpp includes this file once, after run_matmul(), inside its anonymous namespace.
+// A plain (Llama-arithmetic) decoder layer's work around attention: two calls a layer instead of
+// ~45 small ATen ops from Python, or (`layers`) every layer of a step in one call. Projections
+// run on GGUF blocks (our kernel, steps of few rows) or on oneDNN-prepacked fp32 weights
+// (DENSE: the dense copies, any step); elementwise passes split rows over torch's threads where
+// a step has many. quant_matmul.cpp includes this file once, after run_matmul(), inside its
+// anonymous namespace.
 //
 //   attn_in:      x = rms_norm(h); qkv = x . Wqkv^T (+ b); RoPE (rotate-half) on q and k, in place
 //   attn_out_mlp: h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b);
@@ -221,10 +224,11 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 }
 
 // Every layer of a step in one call, with the CPU attention kernel (stepwise_cpu::paged_attention,
-// engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv blocks,
-// o blocks, post-attention norm, gate/up blocks, down blocks; types[4 l ..] and biases[4 l ..] =
-// those of qkv, o, gate/up, down; cos/sin[l] = the layer's rotary rows [T, R]; scale/window/softcap
-// [l] = its attention; block_scales[4 l ..] = the projections' fp32 scale pairs (or None).
+// engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv, o,
+// post-attention norm, gate/up, down (each projection GGUF blocks, or a prepacked weight whose
+// type is DENSE); types[4 l ..] and biases[4 l ..] = those of qkv, o, gate/up, down; cos/sin[l] =
+// the layer's rotary rows [T, R]; scale/window/softcap[l] = its attention; block_scales[4 l ..] =
+// the projections' fp32 scale pairs (or None).
 // kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables as the attention
 // kernel takes them (CpuPlan).
 void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,

@@ -3,7 +3,8 @@
 // to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
 // registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, the fused layer
 // halves attn_in / attn_out_mlp (decode_layer_impl.h) that run a layer's work around attention
-// in two calls, and `layers`, every layer of a step in one call around the CPU attention kernel.
+// in two calls, and `layers`, every layer of a step in one call around the CPU attention kernel
+// (on GGUF blocks, or on oneDNN-prepacked dense weights for steps of many rows).
 //
 // One build serves every x86-64 CPU: the kernel body (quant_matmul_impl.h) is compiled three
 // times, for AVX-512, for AVX2+FMA (target pragmas, never -march=native) and portably (the
