@@ -34,7 +34,8 @@ class QuantLinear:
             raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
         self.qtype = parts[0].qtype
         self.blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks  # [N, bytes]
-        self.scales = quant_kernel.block_scales(self.blocks, self.qtype)  # [N, K/32, 2] fp32 (Q4) or None
+        # [N, K/32, 2] fp32 (Q4) or None; the int8 kernel reads the blocks' own fp16 scales
+        self.scales = None if int8_activations else quant_kernel.block_scales(self.blocks, self.qtype)
         self.bias = bias
         self.dense = dense  # None: every step runs the kernel
         self.isa = isa or quant_kernel.best_isa()

@@ -119,6 +119,7 @@ def test_quant_linear_runs_int8_up_to_max_rows_and_dense_above():
     layer = QuantLinear([QuantWeight(blocks, "Q4_1", "blk.0.ffn_up.weight")], bias, Linear(w, bias, "torch"),
                         max_rows=4, int8_activations=True)
     assert layer.kind == "gguf-q8"
+    assert layer.scales is None  # the fp32 scale pairs serve only the fp32 kernel: not kept for int8
     x = torch.randn(5, 96)
     torch.testing.assert_close(layer(x[:4]), reference_matmul_q8(x[:4], blocks, "Q4_1") + bias, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)  # 5 rows > max_rows: fp32
