@@ -186,7 +186,7 @@ class MonitorApp(App[None]):
 
     def _push_views(self) -> None:
         self._flush_pending = False
-        if self.paused:
+        if self.paused or not self.is_running:  # not running: shutting down, its panels may be gone
             return
         self._last_flush = time.monotonic()
         m = self.monitor
