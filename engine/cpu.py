@@ -100,13 +100,14 @@ def cpu_info() -> CpuInfo:
 
 # The GGUF block kernel's code paths (engine/model/quant_kernel.py), the features each needs,
 # best first; and by path, the most rows a step runs on the kernel before the dense fp32 copy
-# takes over (engine/model/quant_linear.py). The crossover with oneDNN's fp32 GEMM
-# (examples/bench_forward.py, whole forward) lies between 16 and 32 rows on an AVX2-only AMD
-# EPYC, and at ~12 rows on an AVX-512 one (Zen 4), where oneDNN gains more from the wider
-# vectors than the kernel's dequantization does. Here, not in the kernel's module, so the
-# simulator (no torch) splits its step-cost fits where the engine switches.
+# takes over (engine/model/quant_linear.py). The crossover with oneDNN's fp32 GEMM (whole
+# decode steps, both through the C++ layer loop) lies at ~16 rows on an AVX2-only AMD EPYC and
+# on the AVX2 stand-in, and at 6-8 rows on an AVX-512 one (Zen 4), where oneDNN gains more from
+# the wider vectors than the kernel's dequantization does (session 11: 12 rows 36 ms dense
+# against 45 ms on the kernel; it was ~12 while dense steps ran op by op). Here, not in the
+# kernel's module, so the simulator (no torch) splits its step-cost fits where the engine switches.
 KERNEL_ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
-NATIVE_MAX_ROWS = {"avx512": 12, "avx2": 16, "portable": 16}
+NATIVE_MAX_ROWS = {"avx512": 8, "avx2": 16, "portable": 16}
 
 
 def kernel_isa_supported(isa: str) -> bool:

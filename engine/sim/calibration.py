@@ -12,7 +12,7 @@ it would in the engine. The forward is the prediction times a ratio drawn from t
 steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON
 with the CPU, model name and dtype it was measured on.
 
-Two regimes: on the GGUF path a step of at most NATIVE_MAX_ROWS rows (tokens; 16 on AVX2, 12
+Two regimes: on the GGUF path a step of at most NATIVE_MAX_ROWS rows (tokens; 16 on AVX2, 8
 on AVX-512) runs the block kernel and a larger one the dense fp32 GEMM
 (engine/model/quant_linear.py), so one line through both over-predicts small steps and
 under-predicts large ones. With `split_rows` the forward model is fitted twice, on the steps of
