@@ -64,13 +64,17 @@ class FusedLayers:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self._ops = torch.ops.stepwise_gguf
         projections = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]
-        norms = [(w.input_norm.weight, w.post_attn_norm.weight) for w in layers]
 
-        def weight_set(pick) -> _Weights:
-            chosen = [tuple(pick(p) for p in ps) for ps in projections]
-            return _Weights(
-                [t for (n1, n2), (qkv, o, gu, down) in zip(norms, chosen) for t in (n1, qkv[0], o[0], n2, gu[0], down[0])],
-                [c[1] for ps in chosen for c in ps], [c[2] for ps in chosen for c in ps], [c[3] for ps in chosen for c in ps])
+        def weight_set(pick) -> _Weights:  # pick(projection) -> (weight, type id, bias, scales)
+            out = _Weights([], [], [], [])
+            for w, ps in zip(layers, projections):
+                qkv, o, gu, down = (pick(p) for p in ps)
+                out.weights.extend((w.input_norm.weight, qkv[0], o[0], w.post_attn_norm.weight, gu[0], down[0]))
+                for _, type_id, bias, scales in (qkv, o, gu, down):
+                    out.types.append(type_id)
+                    out.biases.append(bias)
+                    out.scales.append(scales)
+            return out
 
         # kernel steps (at most max_rows rows): GGUF blocks; other steps: the dense copies
         self.kernel = weight_set(lambda p: (p.blocks, _type_id(p), p.bias, p.scales)) if kernel else None

@@ -55,8 +55,8 @@ Proj proj_of(const at::Tensor& weight, int64_t qtype, const c10::optional<at::Te
 // parallel region for it.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
-// Where a [T, N] result lands: our kernel writes into `buf`, reused by every layer of a call
-// (one allocation, not one a layer); oneDNN returns a tensor of its own, held in `owner`.
+// A [T, N] buffer: ours in `buf`, reused by every layer of a call (one allocation, not one a
+// layer); or, for a oneDNN projection's result, the tensor oneDNN returned, held in `owner`.
 struct Out {
   std::vector<float> buf;
   at::Tensor owner;
@@ -93,13 +93,8 @@ void project(const Proj& p, const float* x, int64_t ldx, int64_t T, int64_t isa,
 
 // Buffers a call reuses from layer to layer.
 struct Scratch {
-  std::vector<float> x, act;  // normed rows [T, E]; silu(g) * u [T, I]
-  Out qkv, y, g;              // projections: qkv [T, N], o and down [T, E], gate/up [T, 2I]
-
-  float* rows(std::vector<float>& v, int64_t n) {
-    if (int64_t(v.size()) < n) v.resize(n);
-    return v.data();
-  }
+  Out x, act;    // normed rows [T, E]; silu(g) * u [T, I]
+  Out qkv, y, g;  // projections: qkv [T, N], o and down [T, E], gate/up [T, 2I]
 };
 
 // y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)) for T rows of E values
@@ -139,7 +134,7 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
 // x = rms_norm(h); qkv = x . W^T (+ b) [T, N] into sc.qkv; RoPE on the first heads + kv_heads heads of each row
 void attn_in_raw(const float* h, int64_t T, const float* norm_w, float eps, const Proj& p, const float* cos,
                  const float* sin, int64_t R, int64_t rotated_heads, int64_t head_dim, int64_t isa, Scratch& sc) {
-  float* x = sc.rows(sc.x, T * p.K);
+  float* x = sc.x.take(T * p.K);
   rms_norm(h, T, p.K, norm_w, eps, x);
   project(p, x, p.K, T, isa, sc.qkv);
   float* out = sc.qkv.data;
@@ -183,10 +178,10 @@ void attn_out_mlp_raw(float* hp, int64_t T, const float* attn, const Proj& o, co
   const int64_t E = o.N, I = down.K;
   project(o, attn, o.K, T, isa, sc.y);
   add_rows(hp, sc.y.data, T, E);
-  float* x = sc.rows(sc.x, T * E);
+  float* x = sc.x.take(T * E);
   rms_norm(hp, T, E, norm_w, eps, x);
   project(gu, x, E, T, isa, sc.g);  // [T, 2I]: gate, then up
-  float *g = sc.g.data, *a = sc.rows(sc.act, T * I);
+  float *g = sc.g.data, *a = sc.act.take(T * I);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor act = at::from_blob(a, {T, I}, f32);
   at::silu_out(act, at::from_blob(g, {T, I}, {2 * I, 1}, f32));
