@@ -9,7 +9,10 @@ Two budgets, both honoured:
   oldest (priority, then arrival) takes all it can before the next gets any, so a second long
   prompt never slows the first one down, and `chunk_size` no longer splits the share. Every
   step still gives at least `min_chunk` tokens to a prefill, so prompts cannot starve when the
-  decodes alone fill the budget.
+  decodes alone fill the budget. In a step where a prompt chunked over earlier steps gets its
+  last piece, a younger prompt joins only if all of it fits (it gets its first token too): a
+  partial chunk would hold back the older prompt's first token for one that has none to give
+  (the chunk runs in the next step instead; what that costs is one step's fixed overhead).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class ChunkedPolicy(BasePolicy):
         timed = self.max_step_s > 0 and view.can_predict
         chunks = 0  # prefill pieces given this step
         full = False  # the time budget is used up: no later prompt gets a token (FCFS)
+        whole_only = False  # an older chunked prompt finishes this step: younger ones join only whole
 
         def size(req, cap: int) -> int:
             """Tokens of `req`'s prompt for this step: all `cap` unless the time budget says less."""
@@ -68,6 +72,9 @@ class ChunkedPolicy(BasePolicy):
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
             full = lo < cap  # what is left of the budget is not for a younger prompt
+            if whole_only and lo < req.num_tokens - req.num_computed_tokens:
+                full = True
+                return 0
             return lo if lo >= self.min_chunk or chunks else min(cap, self.min_chunk)
 
         for req in prefills:
@@ -81,6 +88,7 @@ class ChunkedPolicy(BasePolicy):
                 budget -= n
                 shape = shape.plus(n, req.num_computed_tokens, decode=False)
                 chunks += 1
+                whole_only = whole_only or (timed and n == req.num_tokens - req.num_computed_tokens)
         if budget > 0:
             def admit_size(req, cap: int) -> int:
                 nonlocal chunks, shape

@@ -92,3 +92,17 @@ def test_a_younger_prompt_gets_nothing_while_the_oldest_is_cut_by_the_time_budge
     view = AttentionView(running=[old], waiting=[request(1, 500)])
     decisions = timed(view, max_step_ms=50, max_num_batched_tokens=512)
     assert [d.request.request_id for d in decisions] == ["r0"]  # the slack left is not the newcomer's
+
+
+def test_a_chunked_prompt_finishing_shares_its_step_only_with_prompts_that_finish_too():
+    tail = request(0, 500, computed=480)  # chunked over earlier steps: its last 20 tokens
+    short, long = request(1, 10), request(2, 500)
+    view = TimedView(running=[tail], waiting=[short, long])
+    decisions = timed(view, max_step_ms=50)
+    assert [(d.request.request_id, d.num_tokens) for d in decisions] == [("r0", 20), ("r1", 10)]
+    # the long newcomer's chunk waits a step: it would hold back r0's first token, not give its own
+    view = TimedView(running=[request(0, 500, computed=400)], waiting=[request(1, 500)])
+    decisions = timed(view, max_step_ms=50)  # r0 is cut by the time budget: no first token yet
+    assert [(d.request.request_id, d.num_tokens) for d in decisions] == [("r0", 48)]
+    view = TimedView(waiting=[request(0, 20), request(1, 500)])  # a prompt in one piece: no hold
+    assert [d.num_tokens for d in timed(view, max_step_ms=50)] == [20, 28]
