@@ -65,7 +65,7 @@ class Paged:
     def __init__(self, model: LlamaModel, num_blocks: int):
         s = model.shape
         self.model = model
-        self.cache = KVCache(s.num_layers, num_blocks, BLOCK, s.num_kv_heads, s.head_dim, model.embed.dtype)
+        self.cache = KVCache(s.num_layers, num_blocks, BLOCK, s.num_kv_heads, s.head_dim, model.dtype)
         self.reset()
 
     def reset(self) -> None:

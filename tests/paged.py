@@ -14,7 +14,7 @@ class PagedRunner:
         s = model.shape
         self.model = model
         self.block_size = block_size
-        self.cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, model.embed.dtype)
+        self.cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, model.dtype)
         # hand out blocks in a scrambled order so contiguity is never assumed
         self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist())
         self.tables: dict[int, list[int]] = {}

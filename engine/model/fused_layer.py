@@ -91,7 +91,7 @@ class FusedLayers:
         op-by-op path."""
         spec = model.spec
         plain = not spec.gemma_norms and spec.activation == "silu" and model.device.type == "cpu"
-        if not plain or model.embed.dtype != torch.float32:  # the norms' weights share the model's dtype
+        if not plain or model.dtype != torch.float32:  # the norms' weights share the model's dtype
             return None
         if any(w.q_norm is not None or w.pre_ff_norm is not None or w.post_ff_norm is not None for w in model.layers):
             return None

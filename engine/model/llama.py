@@ -23,6 +23,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_backend import CpuPlan
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.model.embedding import Embedding
 from engine.model.fused_layer import FusedLayers
 from engine.model.linear import Linear, resolve
 from engine.model.quant_linear import QuantLinear, native_weights
@@ -58,22 +59,24 @@ class LlamaModel:
         self.backend = backend
         self.device = torch.device(device)
         inner = hf_model.model
-        self.embed = self._own(inner.embed_tokens.weight)  # [V, E]
+        self.dtype = inner.embed_tokens.weight.dtype  # of the weights and activations
         scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(E), in the weight's dtype
-        self.embed_scale = None if scale is None else scale.to(self.device, self.embed.dtype)
-        self.linear = resolve(linear, self.device, self.embed.dtype)
+        self.embed_scale = None if scale is None else scale.to(self.device, self.dtype)
+        self.linear = resolve(linear, self.device, self.dtype)
         # int8 stays inside the layers: the LM head picks the token, so it keeps full precision
-        head = resolve("auto", self.device, self.embed.dtype) if self.linear == "int8" else self.linear
+        head = resolve("auto", self.device, self.dtype) if self.linear == "int8" else self.linear
         # GGUF blocks of the projections the native kernel runs, by id of the HF parameter (None: all dense)
-        self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.embed.dtype, self.linear)
+        self._blocks = native_weights(hf_model, gguf, weight_format, self.device, self.dtype, self.linear)
         # "auto" resolves to "gguf" or "dequantized"; "gguf-q8" quantizes the kernel's activations to int8
         native = "gguf-q8" if weight_format == "gguf-q8" else "gguf"
         self.weight_format = "dequantized" if self._blocks is None else native
+        blocks = None if self._blocks is None else self._blocks.get(id(inner.embed_tokens.weight))
+        self.embed = Embedding(blocks=blocks) if blocks is not None else Embedding(self._own(inner.embed_tokens.weight))
         self.lm_head = self._linear([hf_model.lm_head.weight], getattr(hf_model.lm_head, "bias", None), kind=head)  # E -> V
         self.final_norm = self._norm(inner.norm)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
         # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
-        self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.embed)
+        self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.dtype, self.device)
         # plain Llama layers run in C++ (engine/model/fused_layer.py; None: op by op)
         self.fused = FusedLayers.for_model(self)
 
@@ -154,7 +157,7 @@ class LlamaModel:
         num_tokens, q_size = input_ids.shape[0], s.num_heads * s.head_dim
         prepared = self.backend.prepare(meta)
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}  # [T, R] each
-        h = self.embed[input_ids]  # [T, E]
+        h = self.embed(input_ids)  # [T, E]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         fused = self.fused

@@ -13,15 +13,16 @@ import inspect
 import torch
 
 
-def rope_tables(rotary, keys: set[str], max_position: int, like: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """key -> (cos, sin), each [P, R] in like's dtype and device (R = rotary dims <= head_dim)."""
+def rope_tables(rotary, keys: set[str], max_position: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """key -> (cos, sin), each [P, R] in `dtype` on `device` (R = rotary dims <= head_dim)."""
     positions = torch.arange(max_position)[None]
-    x = like[:1][None]
+    x = torch.zeros(1, 1, 1, dtype=dtype, device=device)  # the rotary module reads only its dtype and device
     by_type = "layer_type" in inspect.signature(rotary.forward).parameters
     tables = {}
     for key in keys:
         cos, sin = rotary(x, positions, key) if by_type else rotary(x, positions)
-        tables[key] = (cos[0].to(like.device, like.dtype), sin[0].to(like.device, like.dtype))
+        tables[key] = (cos[0].to(device, dtype), sin[0].to(device, dtype))
     return tables
 
 

@@ -88,10 +88,14 @@ def test_tiny_gguf_native_greedy_matches_hf_and_dense(tmp_path):
     assert native.weight_format == "gguf"
     assert all(isinstance(p, QuantLinear) for p in (native.lm_head, native.layers[0].qkv, native.layers[1].down))
     assert native.layers[0].o.qtype == "Q4_0" and native.layers[0].gate_up.qtype == "Q4_1"
+    # tokens are looked up in the embedding's Q8_0 blocks (no fp32 table kept), bit for bit
+    assert native.embed.table is None and native.embed.blocks.qtype == "Q8_0"
+    ids = torch.tensor([5, 0, 17, 5, 255])
+    assert torch.equal(native.embed(ids), loaded.hf_model.model.embed_tokens(ids))
     for text in ("hello world", "The quick brown fox"):
         assert_greedy_parity(loaded, native, loaded.tokenizer(text)["input_ids"])
     dense = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized")
-    assert dense.weight_format == "dequantized"
+    assert dense.weight_format == "dequantized" and dense.embed.blocks is None
     prompt = list(range(3, 12))
     # one token at a time: every step runs the block kernel
     assert PagedRunner(native, num_blocks=8).greedy(0, prompt, 12) == PagedRunner(dense, num_blocks=8).greedy(0, prompt, 12)
