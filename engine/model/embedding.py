@@ -1,10 +1,11 @@
 """The token embedding: a dense table, or the GGUF blocks it is stored as.
 
-A GGUF model ties its LM head to the embedding (SmolLM2: Q8_0), and the LM head keeps those
-blocks for the native kernel anyway; looking tokens up in them instead of in an fp32 copy of
-the table spares that copy (V x E x 4 bytes: 113 MB for SmolLM2). Dequantizing a row is exact
-(an fp16 scale times a small integer, see quant_kernel.dequantize), so the rows equal the
-table transformers builds from the same file.
+When a GGUF model's embedding is stored in a type the native kernel reads (Q4_0, Q4_1, Q8_0),
+tokens are looked up in its blocks instead of in an fp32 copy of the table (V x E x 4 bytes:
+113 MB for SmolLM2). With the LM head tied to the embedding (SmolLM2: Q8_0) the head keeps
+those blocks for its kernel anyway, so the lookup costs no memory at all. Dequantizing a row is
+exact (an fp16 scale times a small integer, see quant_kernel.dequantize), so the rows equal
+the table transformers builds from the same file.
 """
 
 from __future__ import annotations
