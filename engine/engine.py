@@ -89,7 +89,7 @@ class Engine:
         loaded = self._loaded or await on_thread(load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype)
         backend = await on_thread(get_backend, cfg.model.attention_backend, device)  # may compile the kernel
         model = await on_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
-                                loaded.gguf, cfg.model.weight_format)
+                                loaded.gguf, cfg.model.weight_format, cfg.cache.num_blocks * cfg.cache.block_size)
         self.tokenizer, name, eos_token_ids = loaded.tokenizer, loaded.name, loaded.eos_token_ids
         if self._loaded is None:
             # Our model holds copies of every weight: free transformers' copy (and unmap its

@@ -51,7 +51,7 @@ class LayerWeights:
 class LlamaModel:
     def __init__(
         self, hf_model: PreTrainedModel, backend: AttentionBackend, device: torch.device | str = "cpu", linear: str = "auto",
-        gguf: Path | None = None, weight_format: str = "auto",
+        gguf: Path | None = None, weight_format: str = "auto", max_positions: int | None = None,
     ):
         cfg = hf_model.config
         self.spec = spec_from_config(cfg, type(hf_model).__name__)  # the class whose modules we read
@@ -75,8 +75,10 @@ class LlamaModel:
         self.lm_head = self._linear([hf_model.lm_head.weight], getattr(hf_model.lm_head, "bias", None), kind=head)  # E -> V
         self.final_norm = self._norm(inner.norm)
         self.layers = [self._take_layer(layer) for layer in inner.layers]
-        # cos/sin tables from the model's own rotary module, so every RoPE variant matches.
-        self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), self.shape.max_position, self.dtype, self.device)
+        # cos/sin tables from the model's own rotary module, so every RoPE variant matches; for
+        # the positions a sequence can reach here (max_positions: the KV pool's tokens), not more
+        table_len = min(self.shape.max_position, max_positions or self.shape.max_position)
+        self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), table_len, self.dtype, self.device)
         # plain Llama layers run in C++ (engine/model/fused_layer.py; None: op by op)
         self.fused = FusedLayers.for_model(self)
 
