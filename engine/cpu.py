@@ -100,14 +100,24 @@ def cpu_info() -> CpuInfo:
 
 # The GGUF block kernel's code paths (engine/model/quant_kernel.py), the features each needs,
 # best first; and by path, the most rows a step runs on the kernel before the dense fp32 copy
-# takes over (engine/model/quant_linear.py). The crossover with oneDNN's fp32 GEMM (whole
-# decode steps, both through the C++ layer loop) lies at ~16 rows on an AVX2-only AMD EPYC and
-# on the AVX2 stand-in, and at 6-8 rows on an AVX-512 one (Zen 4), where oneDNN gains more from
-# the wider vectors than the kernel's dequantization does (session 11: 12 rows 36 ms dense
-# against 45 ms on the kernel; it was ~12 while dense steps ran op by op). Here, not in the
-# kernel's module, so the simulator (no torch) splits its step-cost fits where the engine switches.
+# takes over (engine/model/quant_linear.py). Crossovers with oneDNN's fp32 GEMM, whole decode
+# steps through the C++ layer loop: on an AVX-512 CPU (Zen 4) at 6-8 rows, where oneDNN gains
+# more from the wider vectors than the kernel does (session 11: 12 rows 36 ms dense against
+# 45 ms on the kernel). On AVX2 (the stand-in) at ~16 rows while the kernel took dot products
+# per pair of rows; since its outer-product panels (session 13) it is 3-17 % faster than the
+# dense copies at 16-64 rows (contexts of 200) and even with them at ~128 (projections alone),
+# so 64: every decode step of a 64-sequence batch. The int8 kernel ("gguf-q8") has no panels
+# and loses above 16 rows (24 rows: 1.09x the dense time), so it stops there on every path.
+# Here, not in the kernel's module, so the simulator (no torch) splits its step-cost fits where
+# the engine switches.
 KERNEL_ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
-NATIVE_MAX_ROWS = {"avx512": 8, "avx2": 16, "portable": 16}
+NATIVE_MAX_ROWS = {"avx512": 8, "avx2": 64, "portable": 16}
+Q8_MAX_ROWS = 16
+
+
+def kernel_max_rows(isa: str, int8_activations: bool = False) -> int:
+    """The most rows a step runs on the block kernel of path `isa` (on int8 activations: gguf-q8)."""
+    return min(NATIVE_MAX_ROWS[isa], Q8_MAX_ROWS) if int8_activations else NATIVE_MAX_ROWS[isa]
 
 
 def kernel_isa_supported(isa: str) -> bool:

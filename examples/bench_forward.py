@@ -14,7 +14,7 @@ Native GGUF weights (second table): steps of R decode rows (R sequences, 32-toke
 with every projection on the GGUF block kernel (fp32 activations, weight_format "gguf"), each
 layer op by op or through the fused layer halves (engine/model/fused_layer.py), on the same
 kernel with int8 activations ("gguf-q8"), on the dense fp32 copy (oneDNN), and as the
-chosen weight_format runs them (the kernel up to NATIVE_MAX_ROWS[isa] rows): same model object, the
+chosen weight_format runs them (the kernel up to engine.cpu.kernel_max_rows rows): same model object, the
 per-projection row threshold and activation kind set for each run.
 
 Each number is the median of a few timed runs after warm-up. Not a test: numbers vary with
@@ -45,7 +45,8 @@ from engine.model.fused_layer import FusedLayers  # noqa: E402
 from engine.model.llama import LlamaModel  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model import quant_kernel  # noqa: E402
-from engine.model.quant_linear import NATIVE_MAX_ROWS, QuantLinear  # noqa: E402
+from engine.cpu import kernel_max_rows  # noqa: E402
+from engine.model.quant_linear import QuantLinear  # noqa: E402
 
 PREFILL_LENS = (512, 2048)
 DECODE_BATCHES = (1, 16, 64)
@@ -166,9 +167,9 @@ def bench_decode(loaded, ours: LlamaModel, batch: int, warmup: int, steps: int, 
     return batch / timed(ours_step, warmup, steps), batch / timed(hf_step, warmup, steps)
 
 
-def auto_rows() -> int:
+def auto_rows(int8_activations: bool = False) -> int:
     """The row count up to which the default runs the kernel, on this CPU's kernel path."""
-    return NATIVE_MAX_ROWS[quant_kernel.best_isa()]
+    return kernel_max_rows(quant_kernel.best_isa(), int8_activations)
 
 
 def set_kernel_use(model: LlamaModel, max_rows: int, int8_activations: bool, fused: bool = True) -> None:
@@ -187,7 +188,7 @@ def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[s
     blocks_per_seq = (NATIVE_CONTEXT + 1 + warmup + 5 * steps + 5) // BLOCK + 1
     chosen = ours.weight_format == "gguf-q8"
     runs = (("kernel", 1 << 30, False, True), ("kernel-ops", 1 << 30, False, False), ("kernel-q8", 1 << 30, True, False),
-            ("dense", 0, False, False), ("auto", auto_rows(), chosen, True))
+            ("dense", 0, False, False), ("auto", auto_rows(chosen), chosen, True))
     out = {}
     for name, max_rows, int8, fused in runs:
         set_kernel_use(ours, max_rows, int8, fused)
@@ -197,7 +198,7 @@ def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[s
             paged.clone_context(0, s)
         out[name] = rows / timed(lambda: paged.step([(s, [1234]) for s in range(rows)]), warmup, steps)
         del paged
-    set_kernel_use(ours, auto_rows(), chosen)
+    set_kernel_use(ours, auto_rows(chosen), chosen)
     return out
 
 
@@ -237,7 +238,7 @@ def main() -> None:
     if ours.weight_format in ("gguf", "gguf-q8"):
         print(f"| decode rows per step (ctx {NATIVE_CONTEXT}) | dense fp32 tok/s | GGUF kernel, op by op tok/s | "
               f"GGUF kernel, fused layers tok/s | fused/dense | fused/op by op | kernel, int8 activations tok/s | "
-              f"{ours.weight_format} (kernel <= {auto_rows()} rows) tok/s |")
+              f"{ours.weight_format} (kernel <= {auto_rows(ours.weight_format == 'gguf-q8')} rows) tok/s |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in (int(v) for v in args.rows.split(",")):
             t = bench_native(ours, r, warmup=2, steps=args.steps)

@@ -54,15 +54,16 @@ def test_restriction_names_what_it_cannot_do():
 def test_the_environment_restricts_what_the_kernels_choose(monkeypatch):
     if not cpu_info().has("avx2") or not cpu_info().has("fma"):
         pytest.skip("this CPU lacks AVX2 and FMA: nothing to restrict to")
+    from engine.cpu import kernel_max_rows
     from engine.model import quant_kernel
-    from engine.model.quant_linear import NATIVE_MAX_ROWS
 
     monkeypatch.setenv("STEPWISE_CPU_FEATURES", "avx2,fma")
     cpu_info.cache_clear()
     try:
         assert cpu_info().features == ("avx2", "fma") and cpu_info().restricted_from is not None
         assert quant_kernel.best_isa() == "avx2" and not quant_kernel.isa_supported("avx512")
-        assert NATIVE_MAX_ROWS[quant_kernel.best_isa()] == 16
+        assert kernel_max_rows(quant_kernel.best_isa()) == 64  # the AVX2 path's switch to the dense copies
+        assert kernel_max_rows(quant_kernel.best_isa(), int8_activations=True) == 16
     finally:
         monkeypatch.delenv("STEPWISE_CPU_FEATURES")
         cpu_info.cache_clear()

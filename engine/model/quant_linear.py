@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.config import WEIGHT_FORMATS
-from engine.cpu import NATIVE_MAX_ROWS  # steps of up to this many rows use the block kernel, by its path
+from engine.cpu import kernel_max_rows  # steps of up to this many rows use the block kernel, by its path
 from engine.model import quant_kernel
 from engine.model.gguf_weights import QuantWeight, read_gguf_weights
 from engine.model.linear import Linear
@@ -39,7 +39,7 @@ class QuantLinear:
         self.bias = bias
         self.dense = dense  # None: every step runs the kernel
         self.isa = isa or quant_kernel.best_isa()
-        self.max_rows = NATIVE_MAX_ROWS[self.isa] if max_rows is None else max_rows
+        self.max_rows = kernel_max_rows(self.isa, int8_activations) if max_rows is None else max_rows
         self.int8_activations = int8_activations  # kernel steps: quant_kernel.matmul_q8, else matmul
 
     @property

@@ -12,8 +12,8 @@ it would in the engine. The forward is the prediction times a ratio drawn from t
 steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON
 with the CPU, model name and dtype it was measured on.
 
-Two regimes: on the GGUF path a step of at most NATIVE_MAX_ROWS rows (tokens; 16 on AVX2, 8
-on AVX-512) runs the block kernel and a larger one the dense fp32 GEMM
+Two regimes: on the GGUF path a step of at most kernel_max_rows rows (engine/cpu.py; tokens: 64
+on AVX2, 8 on AVX-512, 16 for gguf-q8's int8 kernel) runs the block kernel and a larger one the dense fp32 GEMM
 (engine/model/quant_linear.py), so one line through both over-predicts small steps and
 under-predicts large ones. With `split_rows` the forward model is fitted twice, on the steps of
 at most that many rows (`small_forward`) and on the others; the engine's live cost model splits

@@ -289,7 +289,7 @@ def _finite(obj):
 # --- calibrate ------------------------------------------------------------------------------------
 
 def _calibrate(args) -> Calibration:
-    from engine.cpu import NATIVE_MAX_ROWS, cpu_info, kernel_isa
+    from engine.cpu import cpu_info, kernel_isa, kernel_max_rows
 
     if not args.steps and not args.run:
         raise SystemExit("calibrate needs --steps PATH (engine-bench --save-steps) or --run")
@@ -308,7 +308,8 @@ def _calibrate(args) -> Calibration:
         max_len = max_len or run_max_len
         model = args.model or run_model
     try:
-        split = NATIVE_MAX_ROWS[kernel_isa()] if args.split_rows is None else args.split_rows or None
+        split = (kernel_max_rows(kernel_isa(), base.model.weight_format == "gguf-q8") if args.split_rows is None
+                 else args.split_rows or None)
         cal = fit(records, split_rows=split, model=model, dtype=args.dtype or base.model.dtype,
                   cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:

@@ -17,7 +17,7 @@ from engine.model import quant_kernel as qk
 from engine.model.fused_layer import FusedLayers
 from engine.model.llama import LlamaModel
 from engine.model.norm import RMSNorm
-from engine.model.quant_linear import NATIVE_MAX_ROWS
+from engine.cpu import NATIVE_MAX_ROWS, kernel_max_rows
 from engine.model.rope import apply_rope
 from tests.model.test_gguf_weights import write_tiny_gguf
 from tests.model.test_quant_kernel import ISAS, SCALED, random_blocks, scales_for
@@ -117,6 +117,7 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     model = LlamaModel(loaded.hf_model, backend(), gguf=loaded.gguf, weight_format="gguf")
     fused = model.fused
     assert isinstance(fused, FusedLayers) and fused.max_rows == NATIVE_MAX_ROWS[qk.best_isa()] >= 8
+    big = fused.max_rows + 4  # a step the dense copies run (12 rows on AVX-512, 68 on AVX2)
     calls = []  # rows of each fused call: a layer half (Python loop) or every layer (C++ loop)
     attn_in, all_layers = fused.attn_in, fused.layers_in_one_call
     fused.attn_in = lambda *a: calls.append(a[1].shape[0]) or attn_in(*a)
@@ -125,17 +126,17 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     def run(use_fused: bool) -> list[torch.Tensor]:
         model.fused = fused if use_fused else None
         runner = PagedRunner(model, num_blocks=16)
-        prompts = {0: list(range(3, 23)), 1: list(range(40, 44)), 2: list(range(60, 63))}
-        out = [runner.step([(0, prompts[0])])]  # 20 rows: more than the kernel takes
+        prompts = {0: list(range(3, 3 + big)), 1: list(range(100, 104)), 2: list(range(120, 123))}
+        out = [runner.step([(0, prompts[0])])]  # more rows than the kernel takes
         out.append(runner.step([(1, prompts[1]), (2, prompts[2]), (0, [7])]))  # a prefill mix of 8 rows
         for t in range(4):  # decodes of 3 rows, then of 1
             out.append(runner.step([(0, [8 + t]), (1, [9 + t]), (2, [10 + t])] if t < 2 else [(1, [11 + t])]))
         return out
 
     got, want = run(True), run(False)
-    # with the CPU kernel the layer loop is one C++ call a step, the 20-row one on the dense
-    # copies; without it, kernel steps call the halves per layer and the 20-row step is op by op
-    assert calls == ([20, 8, 3, 3, 1, 1] if backend is CpuAttention else [8] * 2 + [3] * 4 + [1] * 4)
+    # with the CPU kernel the layer loop is one C++ call a step, the big one on the dense
+    # copies; without it, kernel steps call the halves per layer and the big step is op by op
+    assert calls == ([big, 8, 3, 3, 1, 1] if backend is CpuAttention else [8] * 2 + [3] * 4 + [1] * 4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
@@ -194,6 +195,7 @@ def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tm
     rows = NATIVE_MAX_ROWS[qk.best_isa()]
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").small_step_rows == rows
     q8 = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
-    assert q8.fused.kernel is None and q8.small_step_rows == rows  # kernel steps op by op, the same switch everywhere
+    # kernel steps op by op, the same switch everywhere: the int8 kernel's own (it has no panels)
+    assert q8.fused.kernel is None and q8.small_step_rows == kernel_max_rows(qk.best_isa(), int8_activations=True) <= rows
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized").small_step_rows is None
     assert LlamaModel(tiny_model.hf_model, TorchAttention()).small_step_rows is None  # dense weights: one regime

@@ -104,7 +104,9 @@ def test_tiny_gguf_native_greedy_matches_hf_and_dense(tmp_path):
 def test_kernel_row_threshold_follows_the_kernel_path():
     blocks = [QuantWeight(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0", "w")]
     assert QuantLinear(blocks, None, None, isa="avx512").max_rows == 8  # oneDNN overtakes earlier there
-    assert QuantLinear(blocks, None, None, isa="avx2").max_rows == 16
+    assert QuantLinear(blocks, None, None, isa="avx2").max_rows == 64  # the outer-product panels hold out longer
+    assert QuantLinear(blocks, None, None, isa="avx2", int8_activations=True).max_rows == 16  # the int8 kernel's own
+    assert QuantLinear(blocks, None, None, isa="avx512", int8_activations=True).max_rows == 8
     assert QuantLinear(blocks, None, None, isa="portable", max_rows=3).max_rows == 3
 
 

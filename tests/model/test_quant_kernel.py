@@ -70,11 +70,14 @@ def test_block_scales_are_each_blocks_pair_in_fp32(qtype: str):
     assert qk.block_scales(random_blocks("Q8_0", 5, 96, seed=2), "Q8_0") is None
 
 
-# K = 96 and 608 are multiples of the block (32) but not of the vector tiles (64 at AVX-512 x 4)
+# K = 96 and 608 are multiples of the block (32) but not of the vector tiles (64 at AVX-512 x 4).
+# Rows: 1-3 direct; from 4, panels of 24 weight rows (n: whole panels and ragged ones), by dot
+# products below one vector of rows (7; 12 on AVX-512), else by outer products on strips of
+# 4 / 8 / 16 rows in tiles of two (12, 20, 300: a part-filled last tile; 161: one strip of 1 row).
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows,n,k", [(1, 33, 96), (2, 50, 608), (3, 17, 160), (7, 70, 96), (64, 31, 224),
-                                      (161, 19, 96), (300, 45, 608)])
+@pytest.mark.parametrize("rows,n,k", [(1, 33, 96), (2, 50, 608), (3, 17, 160), (7, 70, 96), (12, 48, 96), (20, 53, 608),
+                                      (64, 31, 224), (161, 19, 96), (300, 45, 608)])
 @pytest.mark.parametrize("scaled", SCALED)
 def test_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int, scaled: bool):
     blocks = random_blocks(qtype, n, k, seed=rows)

@@ -36,12 +36,16 @@ namespace {
 
 // ggml's type ids
 constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
-constexpr int PANEL = 16;  // weight rows dequantized at a time (16 x K fp32: 37 KiB at K = 576)
+constexpr int PANEL = 24;  // weight rows dequantized at a time (24 x K fp32: 54 KiB at K = 576), 4 x 6
 constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
 constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
 constexpr int Q8_GROUP = 16;  // q8_rows(): weight rows per group (also the threads' grain)
 
 constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
+// columns of x packed k-major (matmul_rows): T rounded up to 16, a whole number of vectors on every path
+constexpr int64_t packed_rows(int64_t T) { return (T + 15) / 16 * 16; }
+// floats of a thread's scratch for a panel product: packed x, then one dequantized panel
+constexpr int64_t panel_scratch(int64_t T, int64_t K) { return K * packed_rows(T) + PANEL * K; }
 
 struct Job {
   const float* x;
@@ -141,13 +145,16 @@ const float* check_scales(const c10::optional<at::Tensor>& scales, int64_t qtype
 void run_matmul(const Job& job, int64_t isa) {
   const int64_t num_panels = (job.N + PANEL - 1) / PANEL;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> panel(job.T > DIRECT_MAX_ROWS ? PANEL * job.K : 0);
+    // kept per thread: a step calls this for every projection, and a fresh buffer of this
+    // size would be a fresh mapping (and its page faults) each time
+    thread_local std::vector<float> scratch;
+    if (job.T > DIRECT_MAX_ROWS) scratch.resize(std::max<size_t>(scratch.size(), panel_scratch(job.T, job.K)));
     const int64_t n0 = p0 * PANEL, n1 = std::min(job.N, p1 * PANEL);
 #ifdef STEPWISE_X86
-    if (isa == 2) return avx512::matmul(job, n0, n1, panel.data());
-    if (isa == 1) return avx2::matmul(job, n0, n1, panel.data());
+    if (isa == 2) return avx512::matmul(job, n0, n1, scratch.data());
+    if (isa == 1) return avx2::matmul(job, n0, n1, scratch.data());
 #endif
-    portable::matmul(job, n0, n1, panel.data());
+    portable::matmul(job, n0, n1, scratch.data());
   });
 }
 

@@ -159,7 +159,9 @@ void dequant_rows(const uint8_t* blocks, int64_t row_bytes, const float* scales,
     }
 }
 
-// out[t, n] = x[t, :] . w[n, :] for MR rows of x and NR (dequantized, fp32) rows of w.
+// out[t, n] = x[t, :] . w[n, :] for MR rows of x and NR (dequantized, fp32) rows of w: dot
+// products along k, summed across lanes at the end. For fewer rows of x than a vector holds
+// (the outer products below would pad them to one).
 template <int MR, int NR>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
   vf acc[MR][NR] = {};
@@ -185,6 +187,66 @@ inline void rows_x_panel(const float* x, int64_t ldx, int64_t T, const float* w,
     case 2: micro<2, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo); break;
     case 1: micro<1, NR>(x + t * ldx, ldx, w, K, out + t * ldo, ldo); break;
     default: break;
+  }
+}
+
+// x rows [0, T) packed k-major in strips of SW rows, zero-padded to TP rows (a multiple of 16):
+// strip s is [K, SW], xt[(s * K + k) * SW + c] = x[s * SW + c, k], read front to back by micro_t.
+inline void pack_x(const Job& a, int64_t TP, float* xt) {
+  for (int64_t t = 0; t < TP; ++t) {
+    float* strip = xt + (t / SW) * a.K * SW + t % SW;
+    for (int64_t k = 0; k < a.K; ++k) strip[k * SW] = t < a.T ? a.x[t * a.ldx + k] : 0.f;
+  }
+}
+
+// out[t0 + c, n + i] = w[i, :] . x[t0 + c, :] for MW (dequantized, fp32) rows of w and NX * SW
+// rows of x (xt: their NX packed strips). Outer products: each k broadcasts one weight per row
+// against NX vectors of x, MW * NX accumulators (AVX2: 12 of the 16 registers), no sums across
+// lanes. Columns at or past `cols` (the padding) are not written.
+template <int MW, int NX>
+inline void micro_t(const float* xt, const float* w, int64_t K, int64_t cols, float* out, int64_t ldo) {
+  vf acc[MW][NX] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vf xv[NX];
+    for (int v = 0; v < NX; ++v) xv[v] = load(xt + (v * K + k) * SW);
+    for (int i = 0; i < MW; ++i) {
+      const float wk = w[i * K + k];
+      for (int v = 0; v < NX; ++v) acc[i][v] += xv[v] * wk;
+    }
+  }
+  for (int i = 0; i < MW; ++i)
+    for (int v = 0; v < NX; ++v) {
+      float lanes[SW];
+      store(lanes, acc[i][v]);
+      for (int c = 0; c < SW && v * SW + c < cols; ++c) out[(v * SW + c) * ldo + i] = lanes[c];
+    }
+}
+
+template <int NX>
+inline void micro_rows(int mw, const float* xt, const float* w, int64_t K, int64_t cols, float* out, int64_t ldo) {
+  switch (mw) {
+    case 6: return micro_t<6, NX>(xt, w, K, cols, out, ldo);
+    case 5: return micro_t<5, NX>(xt, w, K, cols, out, ldo);
+    case 4: return micro_t<4, NX>(xt, w, K, cols, out, ldo);
+    case 3: return micro_t<3, NX>(xt, w, K, cols, out, ldo);
+    case 2: return micro_t<2, NX>(xt, w, K, cols, out, ldo);
+    default: return micro_t<1, NX>(xt, w, K, cols, out, ldo);
+  }
+}
+
+// Every row of x (packed, xt) against `rows` panel rows: tiles of 2 strips of x rows by 6
+// weight rows; the last tile of x rows takes one strip where that covers what is left.
+inline void panel_product(const Job& a, const float* xt, const float* panel, int64_t rows, float* out) {
+  for (int64_t t0 = 0; t0 < a.T; t0 += 2 * SW) {
+    const int64_t cols = std::min<int64_t>(2 * SW, a.T - t0);
+    const float* strips = xt + t0 * a.K;  // strip t0 / SW
+    for (int64_t j = 0; j < rows; j += 6) {
+      const int mw = int(std::min<int64_t>(6, rows - j));
+      if (cols > SW)
+        micro_rows<2>(mw, strips, panel + j * a.K, a.K, cols, out + t0 * a.ldo + j, a.ldo);
+      else
+        micro_rows<1>(mw, strips, panel + j * a.K, a.K, cols, out + t0 * a.ldo + j, a.ldo);
+    }
   }
 }
 
@@ -230,31 +292,40 @@ void direct_all(const Job& a, int64_t n0, int64_t n1) {
   }
 }
 
-// Output rows [n0, n1) of y = x . dequant(W)^T. Panels of PANEL weight rows are dequantized
-// into `panel` (fp32, stays in L1/L2) and multiplied by every row of x; the weight bytes are
-// read from memory once per step whatever the row count.
+// Output rows [n0, n1) of y = x . dequant(W)^T. More rows of x than DIRECT_MAX_ROWS: panels of
+// PANEL weight rows are dequantized (fp32, L1/L2) and multiplied by every row of x, by outer
+// products on x packed once (`scratch`: pack_x) where x has a vector's worth of rows, else by
+// dot products; the weight bytes are read from memory once per step whatever the row count.
+// `scratch` holds panel_scratch(T, K) floats.
 template <int QT>
-void matmul_rows(const Job& a, int64_t n0, int64_t n1, float* panel) {
+void matmul_rows(const Job& a, int64_t n0, int64_t n1, float* scratch) {
   if (a.T <= DIRECT_MAX_ROWS) {
     if constexpr (QT != Q8_0)
       if (a.scales) return direct_all<QT, true>(a, n0, n1);
     return direct_all<QT, false>(a, n0, n1);
   }
-  const int64_t K = a.K;
+  const int64_t K = a.K, TP = packed_rows(a.T);
+  const bool outer = a.T >= SW;  // at least one whole strip of x rows
+  float *xt = scratch, *panel = scratch + K * TP;
+  if (outer) pack_x(a, TP, xt);
   for (int64_t p = n0; p < n1; p += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - p);
     dequant_rows<QT>(a.blocks, a.row_bytes, a.scales, K, panel, p, p + rows);
+    if (outer) {
+      panel_product(a, xt, panel, rows, a.out + p);
+      continue;
+    }
     int64_t j = 0;
     for (; j + 2 <= rows; j += 2) rows_x_panel<2>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
     if (j < rows) rows_x_panel<1>(a.x, a.ldx, a.T, panel + j * K, K, a.out + p + j, a.ldo);
   }
 }
 
-inline void matmul(const Job& a, int64_t n0, int64_t n1, float* panel) {
+inline void matmul(const Job& a, int64_t n0, int64_t n1, float* scratch) {
   switch (a.qtype) {
-    case Q4_0: return matmul_rows<Q4_0>(a, n0, n1, panel);
-    case Q4_1: return matmul_rows<Q4_1>(a, n0, n1, panel);
-    default: return matmul_rows<Q8_0>(a, n0, n1, panel);
+    case Q4_0: return matmul_rows<Q4_0>(a, n0, n1, scratch);
+    case Q4_1: return matmul_rows<Q4_1>(a, n0, n1, scratch);
+    default: return matmul_rows<Q8_0>(a, n0, n1, scratch);
   }
 }
 
