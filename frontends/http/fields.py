@@ -1,8 +1,13 @@
 """The request fields of OpenAI's and vLLM's APIs, per endpoint: the ones Stepwise implements
-and the ones it knows but does not. A request carrying a known-but-unimplemented field (with
-anything but its neutral value) is refused with a 400 naming it (`param`): a client must
-never get a 200 that quietly ignored what it asked for. Fields in neither API are ignored, as
-OpenAI does. `null` counts as absent.
+and the ones it knows but does not. A client must never get a 200 that quietly ignored what it
+asked for, so a request is refused with a 400 naming the field (`param`) when it carries
+- a known-but-unimplemented field with anything but its neutral value (`unsupported_field`), or
+- a field this endpoint does not have at all (`unrecognized_field`), as OpenAI refuses an
+  "unrecognized request argument": a typo (`temprature`), another server's name for a field
+  (llama.cpp's `n_predict`; the error names ours), or the other endpoint's field
+  (`max_completion_tokens` on completions).
+`null` counts as absent. Only top-level fields are checked: nested objects (messages, tools,
+response_format) are decoded by their Structs, which skip keys they do not know.
 
 Implementing a field: move it from NOT_IMPLEMENTED (or PLANNED) to IMPLEMENTED and add it to
 the request Struct in protocol.py (tests/frontends/test_fields.py checks the two agree and
@@ -107,27 +112,34 @@ def refused(endpoint: Endpoint) -> dict[str, Refused]:
     return {**NOT_IMPLEMENTED[endpoint], **planned}
 
 
-def _probe(endpoint: Endpoint) -> type[msgspec.Struct]:
-    """A Struct of the refused fields as raw JSON: decoding a body into it skips every other
-    field without building it, so the check costs one scan of the body."""
-    return msgspec.defstruct(f"Refused_{endpoint}", [(name, msgspec.Raw, msgspec.UNSET) for name in refused(endpoint)],
-                             kw_only=True)
+# Other servers' names for fields implemented here, named in the 400 of an unrecognized field.
+ALIASES = {
+    "n_predict": "max_tokens",  # llama.cpp
+    "max_new_tokens": "max_tokens",  # transformers, TGI
+    "repeat_penalty": "repetition_penalty",  # llama.cpp
+    "json_schema": "response_format",  # llama.cpp: {"type": "json_schema", "json_schema": {...}} here
+    "stop_sequences": "stop",  # TGI, Anthropic
+}
 
-
-_PROBES = {endpoint: (_probe(endpoint), refused(endpoint)) for endpoint in IMPLEMENTED}
+_PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_REFUSED = {endpoint: refused(endpoint) for endpoint in IMPLEMENTED}
+_TOP_LEVEL = dict[str, msgspec.Raw]  # decoding into it skips every value without building it
 
 
 def check_refused(body: bytes, endpoint: Endpoint) -> None:
-    """400 naming the first refused field the body carries (call after it decoded as a request)."""
-    probe, table = _PROBES[endpoint]
+    """400 naming the first field of the body that a request to `endpoint` may not carry (call
+    after the body decoded as a request, so it is a JSON object)."""
     try:
-        fields = msgspec.json.decode(body, type=probe)
-    except msgspec.DecodeError:
-        return  # the typed request decode reports malformed bodies
-    for name, entry in table.items():
-        raw = getattr(fields, name)
-        if raw is msgspec.UNSET or bytes(raw) == b"null":
+        fields = msgspec.json.decode(body, type=_TOP_LEVEL)
+    except msgspec.DecodeError as e:  # a key the typed decode skipped unread, e.g. a lone surrogate escape
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    implemented, table = IMPLEMENTED[endpoint], _REFUSED[endpoint]
+    for name, raw in fields.items():
+        if name in implemented or bytes(raw) == b"null":
             continue
+        entry = table.get(name)
+        if entry is None:
+            raise ApiError(400, _unrecognized(name, endpoint), param=name, code="unrecognized_field")
         try:
             value = msgspec.json.decode(raw)
         except msgspec.DecodeError:  # e.g. a lone surrogate escape: not a neutral value either
@@ -136,3 +148,13 @@ def check_refused(body: bytes, endpoint: Endpoint) -> None:
             continue
         raise ApiError(400, f"{entry.reason}: this server does not implement the `{name}` field",
                        param=name, code="unsupported_field")
+
+
+def _unrecognized(name: str, endpoint: Endpoint) -> str:
+    message = f"unrecognized request field `{name}`: {_PATHS[endpoint]} has no such field"
+    other = "chat" if endpoint == "completions" else "completions"
+    if name in IMPLEMENTED[other]:
+        return f"{message} (it is a field of {_PATHS[other]})"
+    if name in ALIASES:
+        return f"{message} (this API's name for it is `{ALIASES[name]}`)"
+    return message

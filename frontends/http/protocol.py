@@ -2,8 +2,8 @@
 
 Requests are decoded straight into typed Structs: a wrong type fails with the JSON path of
 the field (`Expected `int`, got `str` - at `$.max_tokens``), which becomes the error's
-`param`. Fields of OpenAI's or vLLM's API that are not implemented are refused
-(frontends/http/fields.py); fields in neither API are ignored, as the OpenAI API does.
+`param`. Top-level fields that are not implemented, or that the endpoint does not have at
+all, are refused with a 400 naming them (frontends/http/fields.py).
 Range checks stay with the engine (`SamplingParams.validate`), so there is one rule set.
 """
 
@@ -225,7 +225,7 @@ class ChatRequest(SamplingFields, kw_only=True):
 
 T = TypeVar("T")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]*)`")
+_MISSING = re.compile(r"(?:missing required|unknown) field `([^`]*)`")  # and structs that forbid unknown fields
 
 
 def _param(message: str) -> str | None:

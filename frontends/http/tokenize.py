@@ -2,7 +2,8 @@
 
 /tokenize takes a `prompt` or chat `messages` (rendered through the chat template, as a chat
 request is) and answers the ids the engine would see: `add_special_tokens` defaults to false,
-as the engine's own tokenizing does.
+as the engine's own tokenizing does. A field these requests do not have is refused with a 400
+naming it, as the generation endpoints refuse theirs (frontends/http/fields.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from frontends.http.protocol import ChatMessage, decode
 from frontends.http.state import STATE
 
 
-class TokenizeRequest(Struct, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -38,7 +39,7 @@ class TokenizeResponse(Struct):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(Struct, kw_only=True):
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[int]
     model: str | None = None
 

@@ -184,6 +184,7 @@ async def test_loading_is_503(tiny_model, aiohttp_client):
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 async def test_bad_input_while_loading_is_still_400(tiny_model, aiohttp_client, path):
     client = await aiohttp_client(create_app(Engine(tiny_config(), loaded=tiny_model)))
-    resp = await client.post(path, json={"prompt": "x", "messages": HI, "temperature": -1, "max_tokens": 3})
+    own = {"prompt": "x"} if path == COMPLETIONS else {"messages": HI}
+    resp = await client.post(path, json={**own, "temperature": -1, "max_tokens": 3})
     assert resp.status == 400
     assert_openai_error(await resp.json(), "temperature", "temperature")

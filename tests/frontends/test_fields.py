@@ -1,13 +1,14 @@
 """The field registry: every known-but-unimplemented field is refused with a 400 naming it
-(parametrised over the registry, so a field added there is tested here); neutral values and
-fields in neither API are accepted; the registry agrees with the request Structs."""
+(parametrised over the registry, so a field added there is tested here), and so is a field the
+endpoint does not have at all; neutral values and nulls are accepted; the registry agrees with
+the request Structs."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from frontends.http.fields import IMPLEMENTED, NOT_IMPLEMENTED, PLANNED, refused
+from frontends.http.fields import ALIASES, IMPLEMENTED, NOT_IMPLEMENTED, PLANNED, refused
 from frontends.http.protocol import ChatRequest, CompletionRequest
 
 BASE = {"completions": {"prompt": "hi", "max_tokens": 2}, "chat": {"messages": [{"role": "user", "content": "hi"}],
@@ -37,13 +38,35 @@ async def test_refused_field_is_a_400_naming_it(tiny, endpoint, name):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-async def test_neutral_values_null_and_unknown_fields_are_accepted(tiny, endpoint):
+async def test_neutral_values_and_nulls_are_accepted(tiny, endpoint):
     _, client = tiny
     neutral = {name: entry.neutral[0] for name, entry in refused(endpoint).items() if entry.neutral}
-    nulls = {name: None for name in refused(endpoint)}
-    for extra in (neutral, nulls, {"not_a_field_of_any_api": 1}):
+    nulls = {name: None for name in refused(endpoint)} | {"not_a_field_of_any_api": None}
+    for extra in (neutral, nulls):
         resp = await client.post(PATHS[endpoint], json={**BASE[endpoint], **extra, "temperature": 0})
         assert resp.status == 200, (extra, await resp.text())
+
+
+OTHER = {"completions": "chat", "chat": "completions"}
+UNRECOGNIZED = [(endpoint, name) for endpoint in ("completions", "chat")
+                for name in ["temprature", "not_a_field_of_any_api", *sorted(ALIASES),
+                             *sorted(IMPLEMENTED[OTHER[endpoint]] - IMPLEMENTED[endpoint] - set(refused(endpoint)))]]
+
+
+@pytest.mark.parametrize(("endpoint", "name"), UNRECOGNIZED)
+async def test_a_field_the_endpoint_does_not_have_is_a_400_naming_it(tiny, endpoint, name):
+    """A typo, another server's name for a field, or the other endpoint's field: never a 200 that
+    ignored it (the alias or the other endpoint is named in the message)."""
+    _, client = tiny
+    resp = await client.post(PATHS[endpoint], json={**BASE[endpoint], name: 1})
+    assert resp.status == 400, name
+    error = (await resp.json())["error"]
+    assert error["param"] == name and error["code"] == "unrecognized_field", error
+    assert f"`{name}`" in error["message"] and PATHS[endpoint] in error["message"]
+    if name in ALIASES:
+        assert f"`{ALIASES[name]}`" in error["message"]
+    if name in IMPLEMENTED[OTHER[endpoint]]:
+        assert PATHS[OTHER[endpoint]] in error["message"]
 
 
 def test_registry_matches_the_request_structs():
@@ -52,3 +75,12 @@ def test_registry_matches_the_request_structs():
         assert fields == IMPLEMENTED[endpoint], endpoint
         assert not IMPLEMENTED[endpoint] & set(NOT_IMPLEMENTED[endpoint])
         assert set(PLANNED) <= set(refused(endpoint)) | IMPLEMENTED[endpoint]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_a_field_name_that_is_no_text_is_a_400(tiny, endpoint):
+    """A lone surrogate escape in a key the typed decode skips unread: refused, not ignored."""
+    _, client = tiny
+    body = msgspec.json.encode(BASE[endpoint])[:-1] + rb',"\ud800":1}'
+    resp = await client.post(PATHS[endpoint], data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]

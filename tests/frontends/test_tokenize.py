@@ -25,5 +25,10 @@ async def test_tokenize_errors_and_version(tiny):
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
     resp = await client.post("/detokenize", json={"tokens": [10**9]})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "tokens"
+    for path, body in (("/tokenize", {"prompt": "hi", "add_generation_prompt": False}),
+                       ("/detokenize", {"tokens": [1], "skip_special_tokens": False})):
+        resp = await client.post(path, json=body)  # a field it does not have: never silently ignored
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == next(iter(body.keys() - {"prompt", "tokens"})), error
     resp = await client.get("/version")
     assert resp.status == 200 and isinstance((await resp.json())["version"], str)

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from frontends.http.fields import IMPLEMENTED
 from tests.reliability.util import CHAT, COMPLETIONS, ThreadedServer, assert_no_leaks, is_openai_error, tiny_config
 
 EXAMPLES = int(os.environ.get("STEPWISE_FUZZ_EXAMPLES", "300"))  # per endpoint and strategy
@@ -171,8 +172,10 @@ VALID_VALUES = {
 
 @st.composite
 def near_valid(draw, required: str) -> dict:
-    """A well-formed request (random valid values), then 0-2 fields replaced by fuzz."""
-    keys = draw(st.lists(st.sampled_from(sorted(set(VALID_VALUES) - {"prompt", "messages"})), max_size=6, unique=True))
+    """A well-formed request (random valid values, only the endpoint's own fields), then 0-2
+    fields replaced by fuzz."""
+    own = IMPLEMENTED["completions" if required == "prompt" else "chat"]
+    keys = draw(st.lists(st.sampled_from(sorted(set(VALID_VALUES) & own - {"prompt", "messages"})), max_size=6, unique=True))
     body = {k: draw(VALID_VALUES[k]) for k in [required, *keys]}
     if "max_tokens" not in body and "max_completion_tokens" not in body and required == "messages":
         body["max_tokens"] = draw(st.integers(1, 24))  # else a chat reply may run to the end of the KV pool
