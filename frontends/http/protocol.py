@@ -3,7 +3,10 @@
 Requests are decoded straight into typed Structs: a wrong type fails with the JSON path of
 the field (`Expected `int`, got `str` - at `$.max_tokens``), which becomes the error's
 `param`. Top-level fields that are not implemented, or that the endpoint does not have at
-all, are refused with a 400 naming them (frontends/http/fields.py).
+all, are refused with a 400 naming them (frontends/http/fields.py); so are unknown keys of the
+option objects (`stream_options`, `response_format`: llama.cpp's `response_format.schema`, vLLM's
+`stream_options.continuous_usage_stats`), whose Structs forbid them. Messages and tools keep
+skipping keys they do not know: clients send assistant messages back as they got them.
 Range checks stay with the engine (`SamplingParams.validate`), so there is one rule set.
 """
 
@@ -22,18 +25,18 @@ from frontends.http.tool_protocol import Tool, ToolCall, ToolCallDelta, ToolChoi
 # --- requests -------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, kw_only=True):
+class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(Struct, kw_only=True):
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     schema: dict | bool | None = None
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(Struct, kw_only=True):
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
     type: str  # "text" | "json_object" | "json_schema"
     json_schema: JsonSchemaFormat | None = None
 

@@ -84,3 +84,20 @@ async def test_a_field_name_that_is_no_text_is_a_400(tiny, endpoint):
     body = msgspec.json.encode(BASE[endpoint])[:-1] + rb',"\ud800":1}'
     resp = await client.post(PATHS[endpoint], data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]
+
+
+NESTED = [({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+           "stream_options.continuous_usage_stats"),
+          ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, "response_format.schema"),
+          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "mode": "x"}}},
+           "response_format.json_schema.mode")]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize(("extra", "param"), NESTED)
+async def test_an_unknown_key_of_an_option_object_is_a_400_naming_it(tiny, endpoint, extra, param):
+    """llama.cpp's response_format.schema would otherwise give any JSON object, not the schema's."""
+    _, client = tiny
+    resp = await client.post(PATHS[endpoint], json={**BASE[endpoint], **extra})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == param, error
