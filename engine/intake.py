@@ -103,6 +103,8 @@ class Intake:
             )
         if any(t >= self.vocab_size for t in msg.params.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
+        if any(t >= self.vocab_size for t in msg.params.stop_token_ids):  # could never stop the request
+            raise RequestError(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
         seed = msg.params.seed if msg.params.seed is not None else self._seeds.getrandbits(62)
         arrival = next(self._arrivals)
         compiled = None

@@ -19,6 +19,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from engine import RequestError, SamplingParams, StructuredOutput
+from engine.request import MAX_LOGPROBS
 from frontends.http.errors import ApiError, from_engine
 from frontends.http.tool_protocol import Tool, ToolCall, ToolCallDelta, ToolChoice
 
@@ -223,6 +224,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     def resolved_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # named as sent
+            raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

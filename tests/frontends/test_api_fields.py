@@ -108,6 +108,7 @@ async def test_sampling_fields_reach_the_engine(api):
 @pytest.mark.parametrize(("field", "value"), [
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
     ("logit_bias", {"999999": 1}), ("logprobs", 21), ("min_p", 1.5), ("repetition_penalty", 0), ("min_tokens", 99),
+    ("stop_token_ids", [999999]), ("stop_token_ids", [-1]),
 ])
 async def test_bad_values_are_400_naming_the_field(tiny, field, value):
     _, client = tiny
@@ -123,6 +124,10 @@ async def test_max_tokens_0_needs_echo_and_top_logprobs_needs_logprobs(tiny):
     resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "top_logprobs": 2})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "top_logprobs"
+    resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "logprobs": True, "top_logprobs": 21})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "top_logprobs" and "[0, 20]" in error["message"]
 
 
 def test_content_parts_join_with_newlines_and_tool_history_is_kept():
