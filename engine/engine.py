@@ -80,6 +80,8 @@ class Engine:
 
     async def _start(self, thread: ThreadPoolExecutor) -> Engine:
         cfg = self.config
+        if cfg.model.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device 'cuda': this torch ({torch.__version__}) sees no CUDA device; use 'auto' or 'cpu'")
         device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.model.device == "auto" else cfg.model.device)
         if cfg.model.num_threads:

@@ -13,6 +13,7 @@ a sliding window (query at position p sees keys p - window + 1 .. p, transformer
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +89,11 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
             from engine.attention.cpu_backend import cpu_kernel_available
 
             name = "cpu" if cpu_kernel_available() else "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' is a CPU kernel; this engine runs on {device.type} (use 'auto')")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' runs on CUDA; this engine runs on {device.type} (use 'auto', "
+                         "or TRITON_INTERPRET=1 to run its kernels interpreted on the CPU: slow, for tests)")
     if name == "cpu":
         from engine.attention.cpu_backend import CpuAttention
 
