@@ -130,6 +130,10 @@ def _peers(args) -> list[str]:
     if args.url or args.sweep:
         raise SystemExit("--peer runs transformers on the loaded model: in-process only, not with --url or --sweep")
     names = [n.strip() for n in args.peer.split(",") if n.strip()]
+    known = (*peers.PEERS, llama_server.NAME)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"--peer: unknown peer {', '.join(unknown) or args.peer!r}; choose from {', '.join(known)}")
     try:
         peers.PeerSettings(batch_size=args.peer_batch_size)
         others = [n for n in names if n != llama_server.NAME]
@@ -177,6 +181,12 @@ async def _bench(args) -> dict:
         base = EngineConfig.load(args.config if Path(args.config).exists() else None, **_overrides(args.set))
         if args.model:
             base = base.with_overrides(model=args.model)
+        policies = args.policies.split(",")
+        try:  # a misspelt policy fails here, not after the model has loaded
+            for policy in policies:
+                base.with_overrides(policy=policy)
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}") from None
         # loaded on a thread that then exits, as the peers run: only each engine's own thread keeps
         # torch's OpenMP pool alive while it runs (engine/torch_thread.py)
         loaded = await in_passing_thread(load_model, base.model.model, base.model.resolved_cache_dir(),
@@ -184,7 +194,6 @@ async def _bench(args) -> dict:
         if llama_server.NAME in peer_names and loaded.gguf is None:
             raise SystemExit(f"--peer llama.cpp runs the model's GGUF file: {base.model.model!r} is not a GGUF model")
         vocab_size = args.vocab_size or len(loaded.tokenizer)
-        policies = args.policies.split(",")
         if sweep:
             key, values = sweep
             targets = [(f"{policies[0]} {key}={v}", {"policy": policies[0], key: _coerce(key, v)}) for v in values]

@@ -175,3 +175,16 @@ def test_cli_runs_peers_after_the_policies(tmp_path):
     for name, r in summary["results"].items():
         assert r["num_failed"] == 0 and r["output_tokens"] == work and r["ttft_ms_p50"] > 0
         assert ("num_steps" in r) == (name == "continuous")  # peers have no step records
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--peer", "foo"], "unknown peer 'foo'; choose from transformers-static, transformers-cb, llama.cpp"),
+    (["--policies", "continuous,chunkd"], "--policies: config key 'policy' must be one of"),
+])
+def test_cli_refuses_an_unknown_peer_or_policy_before_the_model_loads(tmp_path, monkeypatch, flags, message):
+    def no_load(*args):
+        raise AssertionError("the model loaded before the bad flag was refused")
+
+    monkeypatch.setattr(cli, "load_model", no_load)
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["--model", "tiny-random", *flags, "--no-plots", "--out", str(tmp_path)])
