@@ -129,16 +129,9 @@ def _peers(args) -> list[str]:
         return []
     if args.url or args.sweep:
         raise SystemExit("--peer runs transformers on the loaded model: in-process only, not with --url or --sweep")
-    names = [n.strip() for n in args.peer.split(",") if n.strip()]
-    known = (*peers.PEERS, llama_server.NAME)
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise SystemExit(f"--peer: unknown peer {', '.join(unknown) or args.peer!r}; choose from {', '.join(known)}")
     try:
+        names = peers.parse(args.peer, known=(*peers.PEERS, llama_server.NAME))
         peers.PeerSettings(batch_size=args.peer_batch_size)
-        others = [n for n in names if n != llama_server.NAME]
-        if others or not names:
-            peers.parse(",".join(others))
         if llama_server.NAME in names:
             llama_server.resolve_binary(args.llama_server)
         return names

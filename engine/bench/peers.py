@@ -69,11 +69,12 @@ class PeerRun:
     token_ids: list[list[int]]  # generated ids, in request order ([] where a request failed)
 
 
-def parse(spec: str) -> list[str]:
+def parse(spec: str, known: tuple[str, ...] = PEERS) -> list[str]:
+    """The peer names of `spec` (comma-separated), each one of `known` (the CLI adds llama.cpp's)."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PEERS]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"unknown peer {', '.join(unknown) or spec!r}; choose from {', '.join(PEERS)}")
+        raise ValueError(f"unknown peer {', '.join(unknown) or spec!r}; choose from {', '.join(known)}")
     return names
 
 

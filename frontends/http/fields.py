@@ -6,8 +6,9 @@ asked for, so a request is refused with a 400 naming the field (`param`) when it
   "unrecognized request argument": a typo (`temprature`), another server's name for a field
   (llama.cpp's `n_predict`; the error names ours), or the other endpoint's field
   (`max_completion_tokens` on completions).
-`null` counts as absent. Only top-level fields are checked: nested objects (messages, tools,
-response_format) are decoded by their Structs, which skip keys they do not know.
+`null` counts as absent. Only top-level fields are checked here; unknown keys of
+`stream_options` and `response_format` are refused by their Structs (protocol.py), while
+messages and tools skip keys they do not know.
 
 Implementing a field: move it from NOT_IMPLEMENTED (or PLANNED) to IMPLEMENTED and add it to
 the request Struct in protocol.py (tests/frontends/test_fields.py checks the two agree and

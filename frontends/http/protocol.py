@@ -7,7 +7,9 @@ all, are refused with a 400 naming them (frontends/http/fields.py); so are unkno
 option objects (`stream_options`, `response_format`: llama.cpp's `response_format.schema`, vLLM's
 `stream_options.continuous_usage_stats`), whose Structs forbid them. Messages and tools keep
 skipping keys they do not know: clients send assistant messages back as they got them.
-Range checks stay with the engine (`SamplingParams.validate`), so there is one rule set.
+Range checks stay with the engine (`SamplingParams.validate`), so there is one rule set; the
+one exception is chat's `top_logprobs`, checked here against the engine's MAX_LOGPROBS so the
+error names the field the client sent (the engine's is `logprobs`).
 """
 
 from __future__ import annotations
@@ -232,14 +234,14 @@ class ChatRequest(SamplingFields, kw_only=True):
 
 T = TypeVar("T")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"(?:missing required|unknown) field `([^`]*)`")  # and structs that forbid unknown fields
+_NAMED_FIELD = re.compile(r"(?:missing required|unknown) field `([^`]*)`")  # the latter: Structs that forbid them
 
 
 def _param(message: str) -> str | None:
     """The field a msgspec error is about: `messages[0].content`, `prompt`, or None (the body)."""
     path = _PATH.search(message)
-    missing = _MISSING.search(message)
-    parts = [p for p in (path and path.group(1), missing and missing.group(1)) if p]
+    named = _NAMED_FIELD.search(message)
+    parts = [p for p in (path and path.group(1), named and named.group(1)) if p]
     return ".".join(parts) or None
 
 
