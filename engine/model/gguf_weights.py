@@ -33,7 +33,13 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-ARCHITECTURES = ("llama", "qwen2")  # GGUF archs whose projections map 1:1 onto ours
+# GGUF archs whose projections map 1:1 onto transformers' (llama: after the q/k unpermute);
+# transformers' GGUF loader changes no projection of the others (Gemma: only its norms, by -1)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+
+
+class UnsupportedArchitecture(ValueError):
+    """The GGUF's architecture has no native path: its projections run dequantized."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> GgufWeig
     reader = GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} has no native path (supported: {ARCHITECTURES})")
+        raise UnsupportedArchitecture(f"{path.name}: GGUF architecture {arch!r} has no native path (it has: {', '.join(ARCHITECTURES)})")
     runnable, other = {}, {}
     for t in reader.tensors:
         name = hf_name(t.name)

@@ -14,6 +14,7 @@ transformers'. Steps above `max_rows` still run the dense fp32 copy.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from engine.config import WEIGHT_FORMATS
 from engine.cpu import kernel_max_rows  # steps of up to this many rows use the block kernel, by its path
 from engine.model import quant_kernel
-from engine.model.gguf_weights import QuantWeight, read_gguf_weights
+from engine.model.gguf_weights import QuantWeight, UnsupportedArchitecture, read_gguf_weights
 from engine.model.linear import Linear
 
 
@@ -75,7 +76,13 @@ def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torc
                          f"(got {device.type}, {dtype}, linear_backend {linear!r})")
     quant_kernel.require_kernel()
     cfg = hf_model.config
-    found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    try:
+        found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    except UnsupportedArchitecture as e:
+        if weight_format != "auto":
+            raise ValueError(f"weight_format {weight_format!r}: {e}; use 'auto' or 'dequantized'") from None
+        print(f"[stepwise] {e}: every weight runs dequantized to fp32", file=sys.stderr)
+        return None
     params = dict(hf_model.named_parameters(remove_duplicate=False))
     if weight_format != "auto":
         for name, (gguf_name, qtype) in found.other.items():

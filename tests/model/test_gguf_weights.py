@@ -33,12 +33,12 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, types=TINY_TYPES) -> LoadedModel:
+def write_tiny_gguf(path, types=TINY_TYPES, arch: str = "llama") -> LoadedModel:
     """A tiny Llama as a GGUF file, and the same model with its weights set to the file's
-    dequantized values (what transformers would load from it)."""
+    dequantized values (what transformers would load from it). `arch` only labels the file."""
     model = tiny_llama().eval()
     cfg = model.config
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     params = dict(model.named_parameters())
     tensors = {"token_embd.weight": ("model.embed_tokens.weight", "Q8_0", None)}
     for i in range(cfg.num_hidden_layers):
@@ -121,6 +121,18 @@ def test_a_type_without_kernel_is_named_or_runs_dequantized(tmp_path, capsys):
     assert "F16 x2" in capsys.readouterr().err  # says which weights run dequantized
     assert not isinstance(auto.layers[0].qkv, QuantLinear)  # k is F16: the fused qkv is dense
     assert isinstance(auto.layers[0].gate_up, QuantLinear)
+    assert_greedy_parity(loaded, auto, loaded.tokenizer("hello world")["input_ids"])
+
+
+@kernel
+def test_an_architecture_without_native_path_runs_dequantized_under_auto(tmp_path, capsys):
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf", arch="phi3")  # fused qkv / gate_up: no 1:1 map
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"weight_format 'gguf': tiny\.gguf: GGUF architecture 'phi3' has no native path"):
+        native_weights(loaded.hf_model, loaded.gguf, "gguf", cpu, torch.float32, "onednn")
+    auto = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf)
+    assert auto.weight_format == "dequantized" and not isinstance(auto.lm_head, QuantLinear)
+    assert "'phi3' has no native path" in capsys.readouterr().err  # the log line says why
     assert_greedy_parity(loaded, auto, loaded.tokenizer("hello world")["input_ids"])
 
 
