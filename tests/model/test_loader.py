@@ -68,7 +68,7 @@ def test_local_hf_directory_round_trip(tmp_path, tiny_model, tiny_ours):
 def test_gguf_conversion_is_cached(real_model):
     # real_model has converted (or found) the GGUF in the shared cache dir already.
     cache_dir = EngineConfig.load(REPO_ROOT / "config.toml").model.resolved_cache_dir()
-    gguf = locate_wheel_gguf()
+    gguf = locate_wheel_gguf("smollm2-135m", cache_dir)
     first = convert_gguf(gguf, cache_dir)
     assert (first / "done").is_file() and (first / "config.json").is_file()
     weights = first / "model.safetensors"
