@@ -10,8 +10,9 @@ arithmetic (fp32, CPU), each layer runs as:
     attn_out_mlp  o projection -> residual -> rms_norm -> gate/up -> silu * up -> down -> residual  (C++)
 
 Two sets of weights can run it:
-- kernel: every projection on GGUF blocks (QuantLinear, fp32 activations), for steps of at most
-  `max_rows` rows, where our block kernel beats the dense copy;
+- kernel: every projection on GGUF blocks of one type each (QuantLinear, fp32 activations), for
+  steps of at most `max_rows` rows, where our block kernel beats the dense copy (a projection
+  stacked from several types, QuantLinearStack, leaves such steps op by op);
 - dense: every projection's oneDNN-prepacked fp32 weight (the QuantLinear's dense copy, or the
   Linear of a dequantized / Hugging Face model), for any step, called from C++ as the Python
   path calls it (torch.ops.mkldnn._linear_pointwise).
@@ -35,7 +36,7 @@ import torch
 
 from engine.model import quant_kernel
 from engine.model.linear import Linear
-from engine.model.quant_linear import QuantLinear
+from engine.model.quant_linear import QuantLinear, QuantLinearStack
 
 DENSE = -1  # a projection's type id in the C++ ops when its weight is a oneDNN-prepacked fp32 one
 
@@ -52,7 +53,7 @@ class _Weights:
 
 def _dense(p) -> Linear | None:
     """A projection's oneDNN-prepacked fp32 weight, or None where it has none."""
-    dense = p.dense if isinstance(p, QuantLinear) else p
+    dense = p.dense if isinstance(p, (QuantLinear, QuantLinearStack)) else p
     return dense if isinstance(dense, Linear) and dense.kind == "onednn" else None
 
 

@@ -2,8 +2,8 @@
 
 transformers dequantizes a GGUF into fp32 (engine/model/loader.py keeps that for everything
 else); here the projection weights are read again as they are stored, with gguf's GGUFReader,
-and kept as blocks for engine/model/quant_kernel.py. Each weight is [N, K/32 * block bytes]
-uint8: one row of blocks per output row, so rows can be reordered or concatenated freely.
+and kept as blocks for engine/model/quant_kernel.py. Each weight is [N, K/block weights * block
+bytes] uint8: one row of blocks per output row, so rows can be reordered or concatenated freely.
 
 Llama GGUFs store q_proj / k_proj with llama.cpp's RoPE permutation of the rows (within each
 head, the two halves interleaved); transformers' loader reverses it, and so do we, row-wise,
@@ -45,7 +45,7 @@ class UnsupportedArchitecture(ValueError):
 @dataclass(frozen=True)
 class QuantWeight:
     blocks: torch.Tensor  # [N, K/32 * block bytes] uint8
-    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
+    qtype: str  # a quant_kernel.KERNEL_TYPES name
     gguf_name: str
 
     @property
@@ -74,7 +74,8 @@ def rope_unpermute(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).reshape(num_heads, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> GgufWeights:
+def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int, types=KERNEL_TYPES) -> GgufWeights:
+    """`types`: the block types to keep as blocks (the fp32 kernel's by default); others are `other`."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -87,7 +88,7 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> GgufWeig
         if name is None:
             continue
         qtype = t.tensor_type.name
-        if qtype not in KERNEL_TYPES:
+        if qtype not in types:
             other[name] = (t.name, qtype)
             continue
         blocks = torch.from_numpy(np.array(t.data, copy=True)).reshape(int(t.shape[1]), -1)  # out of the map
@@ -105,5 +106,5 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> GgufWeig
         kinds = Counter(qtype for _, qtype in other.values())
         print(f"[stepwise] {path.name}: {sum(kinds.values())} weight(s) of type(s) "
               f"{', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))} have no native kernel "
-              f"(it runs {', '.join(KERNEL_TYPES)}): those run dequantized to fp32", file=sys.stderr)
+              f"(it runs {', '.join(types)}): those run dequantized to fp32", file=sys.stderr)
     return GgufWeights(runnable, other)

@@ -26,7 +26,7 @@ from engine.kv_cache import KVCache
 from engine.model.embedding import Embedding
 from engine.model.fused_layer import FusedLayers
 from engine.model.linear import Linear, resolve
-from engine.model.quant_linear import QuantLinear, native_weights
+from engine.model.quant_linear import QuantLinear, QuantLinearStack, native_weights
 from engine.model.norm import RMSNorm
 from engine.model.rope import apply_rope, rope_tables
 from engine.model.spec import ModelShape, ModelSpec, spec_from_config
@@ -37,10 +37,10 @@ __all__ = ["LlamaModel", "ModelShape", "ModelSpec"]
 @dataclass
 class LayerWeights:
     input_norm: RMSNorm
-    qkv: Linear | QuantLinear  # E -> (H + 2*KVH) * D (bias when the model has one, e.g. Qwen2)
+    qkv: Linear | QuantLinear | QuantLinearStack  # E -> (H + 2*KVH) * D (bias when the model has one, e.g. Qwen2)
     o: Linear | QuantLinear  # H * D -> E
     post_attn_norm: RMSNorm  # Llama: before the MLP; Gemma: on the attention output
-    gate_up: Linear | QuantLinear  # E -> 2 * I
+    gate_up: Linear | QuantLinear | QuantLinearStack  # E -> 2 * I
     down: Linear | QuantLinear  # I -> E
     q_norm: RMSNorm | None = None  # Qwen3, Gemma 3: per head, before RoPE
     k_norm: RMSNorm | None = None
@@ -89,7 +89,7 @@ class LlamaModel:
         if self.fused is not None and self.fused.kernel is not None:
             return self.fused.max_rows
         rows = [lin.max_rows for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)
-                if isinstance(lin, QuantLinear) and lin.dense is not None]
+                if isinstance(lin, (QuantLinear, QuantLinearStack)) and lin.dense is not None]
         return min(rows) if rows else None
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
@@ -104,9 +104,12 @@ class LlamaModel:
         bias = None if bias is None else self._own(bias)
         dense = Linear(weight.detach().to(self.device), bias, kind or self.linear)
         blocks = None if self._blocks is None else [self._blocks.get(id(w)) for w in weights]
-        if blocks is None or None in blocks or len({b.qtype for b in blocks}) > 1:
+        if blocks is None or None in blocks:
             return dense
-        return QuantLinear(blocks, bias, dense, int8_activations=self.weight_format == "gguf-q8")
+        q8 = self.weight_format == "gguf-q8"
+        if len({b.qtype for b in blocks}) == 1:
+            return QuantLinear(blocks, bias, dense, int8_activations=q8)
+        return QuantLinearStack([QuantLinear([b], None, None, int8_activations=q8) for b in blocks], bias, dense)
 
     def _norm(self, module) -> RMSNorm:
         return RMSNorm(self._own(module.weight), self.shape.rms_eps, gemma=self.spec.gemma_norms)
@@ -136,7 +139,7 @@ class LlamaModel:
             post_ff_norm=self._norm(layer.post_feedforward_layernorm) if gemma else None,
         )
 
-    def _fused(self, *projs) -> Linear | QuantLinear:
+    def _fused(self, *projs) -> Linear | QuantLinear | QuantLinearStack:
         """One projection computing several (outputs stacked in order); a missing bias is 0."""
         bias = None
         if any(p.bias is not None for p in projs):

@@ -1,10 +1,13 @@
-"""The GGUF block kernel: y = x · dequant(W)ᵀ on Q4_0 / Q4_1 / Q8_0 blocks, in C++ (csrc/).
+"""The GGUF block kernel: y = x · dequant(W)ᵀ on Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks and the
+k-quants Q4_K / Q6_K (Q4_K_M files), in C++ (csrc/).
 
 fp32 activations, weights dequantized inside the kernel (exactly as the gguf package does),
 fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
 instead of 4 (fp32), plus 0.25 for each Q4 block's scale pair in fp32 (`block_scales`): at one
 row a Q4 block costs more in instructions than in memory traffic, and the fp32 pairs spare it
-two fp16 conversions and their broadcasts.
+two fp16 conversions and their broadcasts. Q5_0, Q4_K and Q6_K run only that way: their pairs
+are (d, -16 d), (d sc, -dmin m) per 32 weights, and (d sc) per 16 for Q6_K, every one exact, so
+each weight is still what gguf's dequantize computes, bit for bit.
 
 One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "portable";
 `best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
@@ -14,13 +17,14 @@ use instructions another CPU sharing the extensions directory lacks).
 `matmul_q8` (weight_format "gguf-q8") is the same product with x quantized to int8 per
 32-value block first, as llama.cpp does, then integer block dot products (AVX2 maddubs): fewer
 instructions per weight, slightly different numerics. It has a portable and an AVX2 body; the
-"avx512" path runs the AVX2 one.
+"avx512" path runs the AVX2 one. It runs Q4_0, Q4_1 and Q8_0 (`Q8_TYPES`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -30,9 +34,16 @@ from engine.cpu import cpu_info, kernel_isa, kernel_isa_supported
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "quant_matmul.cpp", *(_CSRC / h for h in ("quant_matmul_impl.h", "q8_matmul_impl.h", "decode_layer_impl.h"))]
 
-# ggml type ids (gguf.GGMLQuantizationType) the kernel runs, with their block size in bytes
-KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-BLOCK = 32  # weights per block
+class QType(NamedTuple):
+    id: int  # ggml's type id (gguf.GGMLQuantizationType)
+    bytes: int  # of one block
+    weights: int  # in one block: 32, or a k-quant's super-block of 256
+
+
+KERNEL_TYPES = {"Q4_0": QType(2, 18, 32), "Q4_1": QType(3, 20, 32), "Q5_0": QType(6, 22, 32),
+                "Q8_0": QType(8, 34, 32), "Q4_K": QType(12, 144, 256), "Q6_K": QType(14, 210, 256)}
+Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what matmul_q8 runs
+BLOCK = 32  # weights per scale pair (block_scales) and per int8 activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
 
@@ -75,32 +86,55 @@ def _isa_id(isa: str | None) -> int:
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None,
            scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, K] float32, blocks: [N, K/32 * block bytes] uint8 -> [T, N] float32. scales: the
-    blocks' block_scales (Q4 types), which spare the kernel two fp16 conversions per block."""
+    """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
+    scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
+    (and which Q5_0, Q4_K and Q6_K need: made here when not given)."""
+    if scales is None and qtype in SCALES_ONLY:
+        scales = block_scales(blocks, qtype)
     return _product("matmul", x, blocks, qtype, isa, scales)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
-    """blocks: [N, K/32 * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
-    type_id, nbytes = KERNEL_TYPES[qtype]
-    k = blocks.shape[1] // nbytes * BLOCK
+    """blocks: [N, K/block weights * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
+    t = KERNEL_TYPES[qtype]
+    k = blocks.shape[1] // t.bytes * t.weights
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    _KERNEL.get().dequantize(blocks, type_id, k, _isa_id(isa), out, scales)
+    if scales is None and qtype in SCALES_ONLY:
+        scales = block_scales(blocks, qtype)
+    _KERNEL.get().dequantize(blocks, t.id, k, _isa_id(isa), out, scales)
     return out
 
 
+SCALES_ONLY = ("Q5_0", "Q4_K", "Q6_K")  # run only with their block_scales
+
+
 def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:
-    """[N, K/32, 2] float32 per Q4 block: (d, m) for Q4_1, (d, -8 d) for Q4_0, so that every weight
-    is q * s0 + s1 (exact: see csrc/quant_matmul_impl.h); None for Q8_0, whose kernel is bound by
-    memory, not by converting its scale."""
+    """[N, K/32, 2] float32 per 32 weights, so that every weight is q * s0 + s1 (exact: see
+    csrc/quant_matmul_impl.h): (d, m) for Q4_1, (d, -8 d) for Q4_0, (d, -16 d) for Q5_0,
+    (d sc, -dmin m) for Q4_K; for Q6_K the scales d sc of the slice's two 16-weight halves (w = (q - 32) s).
+    None for Q8_0, whose kernel is bound by memory, not by converting its scale."""
     if qtype == "Q8_0":
         return None
-    nbytes = KERNEL_TYPES[qtype][1]
-    b = blocks.view(blocks.shape[0], -1, nbytes)  # [N, K/32, block bytes]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K/32, 1], exact
-    second = b[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else -8 * d
-    return torch.cat([d, second], dim=-1).contiguous()
+    t = KERNEL_TYPES[qtype]
+    b = blocks.view(blocks.shape[0], -1, t.bytes)  # [N, blocks, block bytes]
+
+    def half(lo: int) -> torch.Tensor:  # [N, blocks, 1] fp16 at byte lo, as fp32 (exact)
+        return b[..., lo : lo + 2].contiguous().view(torch.float16).float()
+
+    if qtype == "Q4_K":  # 8 six-bit scales and mins in 12 bytes (gguf's Q4_K.get_scale_min)
+        s = b[..., 4:16].to(torch.int32)
+        lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = torch.cat([lo & 63, (top & 15) | ((lo >> 2) & 48)], dim=-1)  # [N, blocks, 8]
+        mn = torch.cat([mid & 63, (top >> 4) | ((mid >> 2) & 48)], dim=-1)
+        pairs = torch.stack([half(0) * sc.float(), -(half(2) * mn.float())], dim=-1)  # [N, blocks, 8, 2]
+    elif qtype == "Q6_K":  # 16 int8 scales, fp16 d last
+        pairs = half(208) * b[..., 192:208].contiguous().view(torch.int8).float()  # [N, blocks, 16]
+    else:
+        d = half(0)
+        second = {"Q4_1": lambda: half(2), "Q4_0": lambda: -8 * d, "Q5_0": lambda: -16 * d}[qtype]()
+        pairs = torch.cat([d, second], dim=-1)
+    return pairs.reshape(blocks.shape[0], -1, 2).contiguous()
 
 
 def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = None) -> torch.Tensor:
@@ -111,10 +145,10 @@ def matmul_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None
 def _product(op: str, x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None,
              *scales: torch.Tensor | None) -> torch.Tensor:
     """The kernel op `op` (matmul or matmul_q8): x [T, K] float32 · dequant(blocks)ᵀ -> [T, N] float32."""
-    type_id, nbytes = KERNEL_TYPES[qtype]
-    k = blocks.shape[1] // nbytes * BLOCK
+    t = KERNEL_TYPES[qtype]
+    k = blocks.shape[1] // t.bytes * t.weights
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    getattr(_KERNEL.get(), op)(x if x.stride(-1) == 1 else x.contiguous(), blocks, type_id, k, _isa_id(isa), out,
+    getattr(_KERNEL.get(), op)(x if x.stride(-1) == 1 else x.contiguous(), blocks, t.id, k, _isa_id(isa), out,
                                *scales)
     return out
 

@@ -57,6 +57,25 @@ class QuantLinear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+class QuantLinearStack:
+    """One projection whose output rows come from GGUF weights of different block types (a
+    Q4_K_M file's fused q/k/v: q and k Q4_K or Q5_0, v Q6_K or Q8_0): each part runs the block
+    kernel on its own rows and the outputs are stacked, for steps of at most `max_rows` rows;
+    larger steps run the dense copy of the whole, as QuantLinear does."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None, dense: Linear):
+        self.parts = parts  # each without bias or dense copy
+        self.bias = bias
+        self.dense = dense
+        self.max_rows = min(p.max_rows for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
+        if x.shape[0] > self.max_rows:
+            return self.dense(x)
+        y = torch.cat([p(x) for p in self.parts], dim=1)
+        return y if self.bias is None else y.add_(self.bias)
+
+
 def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torch.device, dtype: torch.dtype,
                    linear: str) -> dict[int, QuantWeight] | None:
     """The blocks of `hf_model`'s projections to run natively, keyed by id() of the parameter,
@@ -76,8 +95,9 @@ def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torc
                          f"(got {device.type}, {dtype}, linear_backend {linear!r})")
     quant_kernel.require_kernel()
     cfg = hf_model.config
+    types = quant_kernel.Q8_TYPES if weight_format == "gguf-q8" else quant_kernel.KERNEL_TYPES
     try:
-        found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+        found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads, types)
     except UnsupportedArchitecture as e:
         if weight_format != "auto":
             raise ValueError(f"weight_format {weight_format!r}: {e}; use 'auto' or 'dequantized'") from None
@@ -88,5 +108,5 @@ def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torc
         for name, (gguf_name, qtype) in found.other.items():
             if name in params:
                 raise ValueError(f"weight_format {weight_format!r}: tensor {gguf_name} is {qtype}, which the native kernel cannot "
-                                 f"run (it runs {', '.join(quant_kernel.KERNEL_TYPES)}); use 'auto' to run it dequantized")
+                                 f"run (it runs {', '.join(types)}); use 'auto' to run it dequantized")
     return {id(params[name]): w for name, w in found.runnable.items() if name in params}

@@ -9,8 +9,8 @@ models check each feature (test_families.py); this checks them together on train
 - a prompt longer than the window, prefilled whole and in chunks that cross it;
 - through the Engine under chunked batching, with the long prompt cut into 128-token chunks
   beside shorter requests;
-- the GGUF's Q8_0 embedding / tied LM head run on the native kernel, bit-equal to
-  transformers' dequantized weights (its Q5_0, Q4_K, Q6_K projections run dequantized).
+- every weight of the file (Q5_0, Q8_0, Q4_K, Q6_K: what Q4_K_M mixes) runs on the native
+  kernel, bit-equal to transformers' dequantized weights; greedy parity above runs on it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from engine.model import quant_kernel
 from engine.model.gguf_weights import read_gguf_weights
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model
+from engine.model.quant_linear import QuantLinear, QuantLinearStack
 from engine.model.wheel_model import WHEEL_MODELS
 from tests.conftest import _cache_dir
 from tests.engine.util import greedy, real_config, run_all
@@ -109,16 +110,22 @@ def test_loads_as_gemma3_with_its_sliding_layers(gemma):
 
 
 @pytest.mark.skipif(not quant_kernel.quant_kernel_available(), reason="the C++ GGUF kernel does not build here")
-def test_q8_0_embedding_and_head_run_natively_bit_equal_to_transformers(gemma):
+def test_every_weight_runs_natively_bit_equal_to_transformers(gemma):
     cfg = gemma.hf_model.config
     found = read_gguf_weights(gemma.gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
     params = dict(gemma.hf_model.named_parameters(remove_duplicate=False))
-    assert {found.runnable[n].qtype for n in ("model.embed_tokens.weight", "lm_head.weight")} == {"Q8_0"}
-    assert {qtype for _, qtype in found.other.values()} == {"Q5_0", "Q4_K", "Q6_K"}
+    assert not found.other and len(found.runnable) == 18 * 7 + 2  # projections, embedding, tied head
+    assert {w.qtype for w in found.runnable.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}  # Q4_K_M's mix
     for name, w in found.runnable.items():
         assert torch.equal(quant_kernel.dequantize(w.blocks, w.qtype), params[name].detach()), name
     ours = LlamaModel(gemma.hf_model, backends()[0], gguf=gemma.gguf)  # weight_format "auto"
     assert ours.weight_format == "gguf" and ours.embed.blocks is not None and ours.lm_head.qtype == "Q8_0"
+    layers = ours.layers
+    assert {(w.o.qtype, w.gate_up.qtype) for w in layers} == {("Q4_K", "Q5_0")}
+    assert {w.down.qtype for w in layers} == {"Q4_K", "Q6_K"}
+    # v is Q5_0 in half the layers and Q8_0 in the others: q/k/v fused, or stacked from two types
+    assert {type(w.qkv) for w in layers} == {QuantLinear, QuantLinearStack}
+    assert all([p.qtype for p in w.qkv.parts] == ["Q5_0", "Q5_0", "Q8_0"] for w in layers if isinstance(w.qkv, QuantLinearStack))
 
 
 @pytest.mark.parametrize("backend", backends(), ids=lambda b: type(b).__name__)

@@ -14,7 +14,7 @@ from engine.model import quant_kernel
 from engine.model.gguf_weights import QuantWeight, read_gguf_weights, rope_unpermute
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel
-from engine.model.quant_linear import QuantLinear, native_weights
+from engine.model.quant_linear import QuantLinear, QuantLinearStack, native_weights
 from engine.model.tiny import tiny_llama, tiny_tokenizer
 from tests.model.test_parity import assert_greedy_parity
 from tests.paged import PagedRunner
@@ -122,6 +122,26 @@ def test_a_type_without_kernel_is_named_or_runs_dequantized(tmp_path, capsys):
     assert not isinstance(auto.layers[0].qkv, QuantLinear)  # k is F16: the fused qkv is dense
     assert isinstance(auto.layers[0].gate_up, QuantLinear)
     assert_greedy_parity(loaded, auto, loaded.tokenizer("hello world")["input_ids"])
+
+
+@kernel
+def test_q5_0_and_a_fused_projection_of_two_types_keep_parity(tmp_path, capsys):
+    # as a Q4_K_M file mixes them: q/k Q5_0 with v Q8_0 in one fused projection
+    types = dict(TINY_TYPES, **{"self_attn.q_proj": ("attn_q", "Q5_0"), "self_attn.k_proj": ("attn_k", "Q5_0"),
+                                "mlp.gate_proj": ("ffn_gate", "Q5_0"), "mlp.up_proj": ("ffn_up", "Q5_0")})
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf", types)
+    native = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf")
+    qkv = native.layers[0].qkv
+    assert isinstance(qkv, QuantLinearStack) and [p.qtype for p in qkv.parts] == ["Q5_0", "Q5_0", "Q8_0"]
+    assert native.layers[0].gate_up.qtype == "Q5_0"
+    for text in ("hello world", "The quick brown fox"):
+        assert_greedy_parity(loaded, native, loaded.tokenizer(text)["input_ids"])
+    # the int8-activation kernel runs Q4_0, Q4_1, Q8_0 only: Q5_0 is named, or runs dequantized
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"'gguf-q8': tensor blk\.\d\.attn_q\.weight is Q5_0"):
+        native_weights(loaded.hf_model, loaded.gguf, "gguf-q8", cpu, torch.float32, "onednn")
+    q8 = native_weights(loaded.hf_model, loaded.gguf, "auto", cpu, torch.float32, "onednn")
+    assert {w.qtype for w in q8.values()} == {"Q5_0", "Q8_0", "Q4_0"}  # "auto": the fp32 kernel, every type
 
 
 @kernel

@@ -1,6 +1,7 @@
 """The GGUF block kernel: its dequantization equals the gguf package's bit for bit, and its
 matmul equals dequantize-then-F.linear (~1e-5) on every code path this CPU can run, from the
-blocks' own fp16 scales and from their fp32 copies (block_scales) alike."""
+blocks' own fp16 scales and from their fp32 copies (block_scales) alike; Q5_0 and the k-quants
+Q4_K, Q6_K (256-weight super-blocks) from their fp32 scales."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def isa_param(isa: str):
 
 
 ISAS = [isa_param(i) for i in ("portable", "avx2", "avx512")]
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
+K_QUANTS = ["Q4_K", "Q6_K"]
 SCALED = [pytest.param(False, id="fp16-scales"), pytest.param(True, id="fp32-scales")]
 
 
@@ -34,13 +36,15 @@ def scales_for(blocks: torch.Tensor, qtype: str, scaled: bool) -> torch.Tensor |
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """[n, k/32 * block bytes] uint8: random codes, random finite fp16 scales (and mins)."""
+    """[n, k/block weights * block bytes] uint8: random codes (and 6-bit or int8 sub-scales),
+    random finite fp16 scales (and mins)."""
     rng = np.random.default_rng(seed)
-    nbytes = qk.KERNEL_TYPES[qtype][1]
-    raw = rng.integers(0, 256, size=(n, k // 32, nbytes), dtype=np.uint8)
-    num_halves = 2 if qtype == "Q4_1" else 1
-    halves = (rng.standard_normal((n, k // 32, num_halves)) * 0.05).astype(np.float16)
-    raw[:, :, : 2 * num_halves] = halves.view(np.uint8).reshape(n, k // 32, 2 * num_halves)
+    t = qk.KERNEL_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // t.weights, t.bytes), dtype=np.uint8)
+    num_halves = 2 if qtype in ("Q4_1", "Q4_K") else 1
+    at = 208 if qtype == "Q6_K" else 0  # Q6_K keeps its d last
+    halves = (rng.standard_normal((n, k // t.weights, num_halves)) * 0.05).astype(np.float16)
+    raw[:, :, at : at + 2 * num_halves] = halves.view(np.uint8).reshape(n, k // t.weights, 2 * num_halves)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -49,14 +53,31 @@ def reference_dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + K_QUANTS)
 @pytest.mark.parametrize("scaled", SCALED)
 def test_dequantize_equals_gguf_exactly(qtype: str, isa: str, scaled: bool):
-    blocks = random_blocks(qtype, 37, 160, seed=1)
+    k = 160 if qtype not in K_QUANTS else 768
+    blocks = random_blocks(qtype, 37, k, seed=1)
     want = reference_dequantize(blocks, qtype)
-    assert want.shape == (37, 160)
-    got = qk.dequantize(blocks, qtype, isa, scales_for(blocks, qtype, scaled))
+    assert want.shape == (37, k)
+    got = qk.dequantize(blocks, qtype, isa, scales_for(blocks, qtype, scaled))  # Q5_0 / k-quants: made when None
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_k_quant_scale_pairs_are_ggufs_sub_block_scales():
+    from gguf.quants import Q4_K
+
+    blocks = random_blocks("Q4_K", 3, 512, seed=3)
+    raw = blocks.view(3, 2, 144).numpy()
+    sc, mn = Q4_K.get_scale_min(raw[..., 4:16].reshape(6, 12))  # [6, 8] each
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(6, 1)
+    dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(6, 1)
+    pairs = qk.block_scales(blocks, "Q4_K").reshape(6, 8, 2).numpy()
+    np.testing.assert_array_equal(pairs[..., 0], d * sc.astype(np.float32))
+    np.testing.assert_array_equal(pairs[..., 1], -(dmin * mn.astype(np.float32)))
+    six = random_blocks("Q6_K", 3, 256, seed=3)
+    d6 = six[:, 208:210].contiguous().view(torch.float16).float()  # [3, 1]
+    assert torch.equal(qk.block_scales(six, "Q6_K").reshape(3, 16), d6 * six[:, 192:208].contiguous().view(torch.int8).float())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -88,6 +109,20 @@ def test_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+# The k-quants' K is a multiple of their 256-weight super-block; the same row counts and paths.
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("rows,n,k", [(1, 33, 256), (2, 50, 768), (3, 17, 512), (7, 70, 256), (12, 48, 256),
+                                      (20, 53, 768), (64, 31, 256), (161, 19, 512), (300, 45, 768)])
+def test_k_quant_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int):
+    blocks = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = F.linear(x, reference_dequantize(blocks, qtype))
+    got = qk.matmul(x, blocks, qtype, isa, qk.block_scales(blocks, qtype))
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_matmul_accepts_a_strided_row_view():
     blocks = random_blocks("Q4_1", 20, 64, seed=5)
     x = torch.randn(9, 64)
@@ -108,6 +143,13 @@ def test_bad_inputs_are_refused():
         qk.matmul(torch.randn(2, 64), q4, "Q4_1", scales=qk.block_scales(q4, "Q4_1")[:3])
     with pytest.raises(ValueError, match="unknown kernel path"):
         qk.isa_supported("neon")
+    ops, k4 = torch.ops.stepwise_gguf, random_blocks("Q4_K", 4, 256, seed=6)
+    with pytest.raises(RuntimeError, match="type 12 run only with their fp32 scales"):
+        ops.matmul(torch.randn(2, 256), k4, 12, 256, 0, torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="K = 128 is not a multiple of the block size 256"):
+        ops.matmul(torch.randn(2, 128), k4[:, :72].contiguous(), 12, 128, 0, torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="type 6 has no int8 kernel"):
+        qk.matmul_q8(torch.randn(2, 64), random_blocks("Q5_0", 4, 64, seed=6), "Q5_0")
 
 
 def test_best_isa_is_one_this_cpu_runs():

@@ -23,7 +23,7 @@ struct Proj {
   int64_t N, row_bytes, K;
   int qtype;
   const float* bias;    // [N] or nullptr
-  const float* scales;  // [N, K/32, 2] fp32 scale pairs (Q4) or nullptr
+  const float* scales;  // [N, K/32, 2] fp32 scale pairs (Q4, Q5_0, k-quants) or nullptr
   at::Tensor packed;    // DENSE: the prepacked weight [N, K]
   c10::optional<at::Tensor> dense_bias;  // DENSE: the bias, which oneDNN adds
 };
@@ -41,10 +41,10 @@ Proj proj_of(const at::Tensor& weight, int64_t qtype, const c10::optional<at::Te
                 "stepwise_gguf: a dense projection must be a oneDNN-prepacked float32 [N, K] weight, without scales");
     return Proj{nullptr, weight.size(0), 0, weight.size(1), int(DENSE), nullptr, nullptr, weight, bias};
   }
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype);
+  TORCH_CHECK(known_type(qtype), "stepwise_gguf: unsupported ggml type ", qtype);
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % block_bytes(int(qtype)) == 0,
               "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
-  const int64_t K = weight.size(1) / block_bytes(int(qtype)) * 32;
+  const int64_t K = weight.size(1) / block_bytes(int(qtype)) * block_weights(int(qtype));
   check_blocks(weight, qtype, K, isa);
   return Proj{weight.data_ptr<uint8_t>(), weight.size(0), weight.size(1), K, int(qtype), b,
               check_scales(scales, qtype, weight.size(0), K), {}, {}};

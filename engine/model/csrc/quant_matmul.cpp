@@ -1,4 +1,4 @@
-// y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations
+// y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), fp32 activations
 // and fp32 accumulation, plus the dequantization itself; and the same product with x quantized
 // to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
 // registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, the fused layer
@@ -35,13 +35,22 @@ namespace {
 #define STEPWISE_INLINE inline __attribute__((always_inline))
 
 // ggml's type ids
-constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
 constexpr int PANEL = 24;  // weight rows dequantized at a time (24 x K fp32: 54 KiB at K = 576), 4 x 6
 constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
 constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
 constexpr int Q8_GROUP = 16;  // q8_rows(): weight rows per group (also the threads' grain)
 
-constexpr int64_t block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
+// A block: Q4_0, Q4_1, Q5_0, Q8_0 hold 32 weights; the k-quants Q4_K, Q6_K a super-block of 256.
+constexpr bool k_quant(int qt) { return qt == Q4_K || qt == Q6_K; }
+constexpr int64_t block_weights(int qt) { return k_quant(qt) ? 256 : 32; }
+constexpr int64_t block_bytes(int qt) {
+  return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : qt == Q5_0 ? 22 : qt == Q8_0 ? 34 : qt == Q4_K ? 144 : 210;
+}
+// The types whose weights the kernel takes only through their fp32 scale pairs (Job::scales):
+// Q5_0 (d, -16 d), Q4_K (d sc, -dmin m) per 32 weights, Q6_K (d sc) per 16, two to a 32.
+constexpr bool scales_only(int qt) { return qt == Q5_0 || k_quant(qt); }
+bool known_type(int64_t qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0 || scales_only(int(qt)); }
 // columns of x packed k-major (matmul_rows): T rounded up to 16, a whole number of vectors on every path
 constexpr int64_t packed_rows(int64_t T) { return (T + 15) / 16 * 16; }
 // floats of a thread's scratch for a panel product: packed x, then one dequantized panel
@@ -55,7 +64,7 @@ struct Job {
   float* out;
   int64_t ldo;
   int qtype;
-  const float* scales;  // Q4 only, optional: [N, K/32, 2] fp32 scale pairs (quant_matmul_impl.h)
+  const float* scales;  // [N, K/32, 2] fp32 scale pairs (quant_matmul_impl.h): Q4 optional, scales_only types always
 };
 
 // The int8-activation product: x already quantized (q8_matmul_impl.h), one row of codes per row of x.
@@ -117,12 +126,13 @@ constexpr int SW = 16;
 #endif
 
 void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf: unsupported ggml type ", qtype,
-              " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
-  TORCH_CHECK(K > 0 && K % 32 == 0, "stepwise_gguf: K = ", K, " is not a multiple of the block size 32");
+  TORCH_CHECK(known_type(qtype), "stepwise_gguf: unsupported ggml type ", qtype,
+              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+  const int64_t bw = block_weights(int(qtype));
+  TORCH_CHECK(K > 0 && K % bw == 0, "stepwise_gguf: K = ", K, " is not a multiple of the block size ", bw);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous(), "stepwise_gguf: blocks must be a contiguous uint8 CPU tensor [N, row bytes]");
-  TORCH_CHECK(blocks.size(1) == K / 32 * block_bytes(int(qtype)), "stepwise_gguf: rows of ", blocks.size(1),
+  TORCH_CHECK(blocks.size(1) == K / bw * block_bytes(int(qtype)), "stepwise_gguf: rows of ", blocks.size(1),
               " bytes do not hold K = ", K, " weights of type ", qtype);
 #ifdef STEPWISE_X86
   TORCH_CHECK(isa >= 0 && isa <= 2, "stepwise_gguf: isa must be 0 (portable), 1 (avx2) or 2 (avx512)");
@@ -131,8 +141,11 @@ void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t is
 #endif
 }
 
-// blocks' fp32 scale pairs, or nullptr: [N, K/32, 2] float32 for a Q4 type (Q8_0 has none)
+// blocks' fp32 scale pairs, or nullptr: [N, K/32, 2] float32 for a Q4 type (Q8_0 has none; the
+// scales_only types must have them)
 const float* check_scales(const c10::optional<at::Tensor>& scales, int64_t qtype, int64_t N, int64_t K) {
+  TORCH_CHECK(scales.has_value() || !scales_only(int(qtype)), "stepwise_gguf: blocks of type ", qtype,
+              " run only with their fp32 scales (quant_kernel.block_scales)");
   if (!scales.has_value()) return nullptr;
   TORCH_CHECK(qtype != Q8_0, "stepwise_gguf: Q8_0 blocks take no fp32 scales");
   TORCH_CHECK(scales->device().is_cpu() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
@@ -227,6 +240,8 @@ void quantize_q8(const at::Tensor& x, int64_t isa, const at::Tensor& q, const at
 
 // As matmul, with x quantized to int8 per 32-block once per call, then integer block products.
 void matmul_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "stepwise_gguf.matmul_q8: ggml type ", qtype,
+              " has no int8 kernel (Q4_0, Q4_1, Q8_0 do)");
   check_blocks(blocks, qtype, K, isa);
   check_x(x, K, "matmul_q8");
   const int64_t T = x.size(0), N = blocks.size(0);
