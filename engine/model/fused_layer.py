@@ -23,9 +23,10 @@ run the two halves from Python, and other steps op by op.
 
 Same arithmetic as the op-by-op path (engine/model/csrc/decode_layer_impl.h says where the
 rounding order is kept); only the order of fp32 additions in the norms and products differs,
-as it already does between the kernel and the dense copy. Families with other arithmetic
-(Gemma norms, q/k norms, gelu) keep the op-by-op path; the int8-activation kernel
-("gguf-q8") keeps it for its kernel steps.
+as it already does between the kernel and the dense copy. What Qwen3 and Gemma add to a layer
+(q/k norms, Gemma's norms on the attention and MLP outputs, GeGLU: `extra_norms`, `gelu`) runs
+in the one-call loop only: such models' kernel steps with another attention backend, and the
+int8-activation kernel's ("gguf-q8"), stay op by op.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class _Weights:
     scales: list[torch.Tensor | None]  # the same four: fp32 scale pairs of Q4 blocks, else None
 
 
+def _extra_norms(w) -> list[torch.Tensor | None]:
+    """A layer's q norm, k norm, and norms of the attention and MLP outputs (Gemma), as the C++
+    loop takes them: fp32 weights (Gemma's already 1 + w), None where absent."""
+    attn_out = w.post_attn_norm if w.pre_ff_norm is not None else None  # Llama's post-attention norm is the MLP's input norm
+    return [None if n is None else n.weight for n in (w.q_norm, w.k_norm, attn_out, w.post_ff_norm)]
+
+
 def _dense(p) -> Linear | None:
     """A projection's oneDNN-prepacked fp32 weight, or None where it has none."""
     dense = p.dense if isinstance(p, (QuantLinear, QuantLinearStack)) else p
@@ -59,7 +67,7 @@ def _dense(p) -> Linear | None:
 
 class FusedLayers:
     def __init__(self, layers, eps: float, heads: int, kv_heads: int, head_dim: int, attention,
-                 kernel: bool, dense: bool):
+                 kernel: bool, dense: bool, gelu: bool = False):
         self.layers = layers
         self.eps = eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -70,39 +78,47 @@ class FusedLayers:
             out = _Weights([], [], [], [])
             for w, ps in zip(layers, projections):
                 qkv, o, gu, down = (pick(p) for p in ps)
-                out.weights.extend((w.input_norm.weight, qkv[0], o[0], w.post_attn_norm.weight, gu[0], down[0]))
+                mlp_in = w.pre_ff_norm if w.pre_ff_norm is not None else w.post_attn_norm  # the MLP's input norm
+                out.weights.extend((w.input_norm.weight, qkv[0], o[0], mlp_in.weight, gu[0], down[0]))
                 for _, type_id, bias, scales in (qkv, o, gu, down):
                     out.types.append(type_id)
                     out.biases.append(bias)
                     out.scales.append(scales)
             return out
 
-        # kernel steps (at most max_rows rows): GGUF blocks; other steps: the dense copies
-        self.kernel = weight_set(lambda p: (p.blocks, _type_id(p), p.bias, p.scales)) if kernel else None
+        # kernel steps (at most max_rows rows): GGUF blocks (a projection stacked from two types: its
+        # dense copy); other steps: the dense copies
+        self.kernel = weight_set(_blocks_or_dense) if kernel else None
         self.dense = weight_set(lambda p: (_dense(p).weight, DENSE, _dense(p).bias, None)) if dense else None
+        runs = [p for ps in projections for p in ps if isinstance(p, QuantLinear)]
         self.max_rows = min(p.max_rows for ps in projections for p in ps) if kernel else 0
-        self._isa = quant_kernel.ISAS[layers[0].qkv.isa] if kernel else quant_kernel.ISAS[quant_kernel.best_isa()]
+        self._isa = quant_kernel.ISAS[runs[0].isa] if kernel else quant_kernel.ISAS[quant_kernel.best_isa()]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]
         self._softcap = [a.softcap or 0.0 for a in attention]
+        self.extra_norms = [n for w in layers for n in _extra_norms(w)]
+        # the two-call halves (attn_in, attn_out_mlp) run it too: Llama arithmetic, blocks only
+        self.plain = all(n is None for n in self.extra_norms) and not gelu and all(
+            isinstance(p, QuantLinear) for ps in projections for p in ps)
+        self._activation = int(gelu)
 
     @classmethod
     def for_model(cls, model) -> FusedLayers | None:
         """The fused path for `model` (an engine LlamaModel), or None where its layers need the
-        op-by-op path."""
+        op-by-op path. In fp32, Gemma's norm (x normed, times 1 + w) is Llama's arithmetic."""
         spec = model.spec
-        plain = not spec.gemma_norms and spec.activation == "silu" and model.device.type == "cpu"
-        if not plain or model.dtype != torch.float32:  # the norms' weights share the model's dtype
-            return None
-        if any(w.q_norm is not None or w.pre_ff_norm is not None or w.post_ff_norm is not None for w in model.layers):
+        if model.device.type != "cpu" or model.dtype != torch.float32:  # the norms' weights share the model's dtype
             return None
         projections = [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
-        kernel = all(isinstance(p, QuantLinear) and not p.int8_activations for p in projections)
         dense = all(_dense(p) is not None for p in projections)
+        kernel = all(isinstance(p, QuantLinear) and not p.int8_activations
+                     or isinstance(p, QuantLinearStack) and _dense(p) is not None for p in projections)
+        kernel = kernel and any(isinstance(p, QuantLinear) for p in projections)
         if not (kernel or dense) or not quant_kernel.quant_kernel_available():
             return None
         s = model.shape
-        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention, kernel, dense)
+        return cls(model.layers, s.rms_eps, s.num_heads, s.num_kv_heads, s.head_dim, spec.attention, kernel, dense,
+                   gelu=spec.activation == "gelu_tanh")
 
     def weights_for(self, rows: int) -> _Weights | None:
         """The weight set a step of `rows` rows runs on: the kernel's up to max_rows, else the
@@ -118,7 +134,8 @@ class FusedLayers:
         w = self.weights_for(h.shape[0])
         self._ops.layers(h, w.weights, w.types, w.biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
-                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, w.scales)
+                         plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, w.scales,
+                         self.extra_norms, self._activation)
 
     def attn_in(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [T, E], cos/sin [T, R] -> qkv [T, (H + 2 KVH) D], q and k rotated."""
@@ -136,6 +153,13 @@ class FusedLayers:
         self._ops.attn_out_mlp(h, attn, o.blocks, _type_id(o), o.bias, w.post_attn_norm.weight, self.eps,
                                gu.blocks, _type_id(gu), gu.bias, down.blocks, _type_id(down), down.bias,
                                quant_kernel.ISAS[o.isa], [o.scales, gu.scales, down.scales])
+
+
+def _blocks_or_dense(p) -> tuple:
+    """(weight, type id, bias, scales) of a projection for the kernel steps."""
+    if isinstance(p, QuantLinearStack):  # the C++ loop takes one weight per projection
+        return _dense(p).weight, DENSE, _dense(p).bias, None
+    return p.blocks, _type_id(p), p.bias, p.scales
 
 
 def _type_id(p: QuantLinear) -> int:

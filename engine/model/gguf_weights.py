@@ -59,6 +59,28 @@ class GgufWeights:
     other: dict[str, tuple[str, str]]  # HF parameter name -> (GGUF name, type) it does not run
 
 
+LOSSLESS_TO_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")  # types whose weights are (code) d: Q8_0 holds them exactly
+
+
+def to_q8_0(w: QuantWeight) -> QuantWeight:
+    """The same weights as Q8_0 blocks (the same fp16 d, the codes as int8): exact for
+    LOSSLESS_TO_Q8_0, so that a fused projection of Q5_0 q/k and Q8_0 v runs as one Q8_0 weight."""
+    if w.qtype == "Q8_0":
+        return w
+    if w.qtype not in LOSSLESS_TO_Q8_0:
+        raise ValueError(f"{w.gguf_name}: {w.qtype} has no exact Q8_0 form")
+    n = w.blocks.shape[0]
+    b = w.blocks.view(n, -1, 18 if w.qtype == "Q4_0" else 22)  # [N, blocks, block bytes]
+    qs = b[..., -16:].to(torch.int16)  # the nibbles: byte j holds weights j (low) and j + 16 (high)
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, blocks, 32]
+    if w.qtype == "Q5_0":  # the fifth bits, bit j of the 32-bit qh for weight j
+        qh = b[..., 2:6].contiguous().view(torch.int32)  # [N, blocks, 1], little-endian as the file
+        codes = codes | (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.int16)
+    codes = codes - (8 if w.qtype == "Q4_0" else 16)
+    out = torch.cat([b[..., :2], codes.to(torch.int8).view(torch.uint8)], dim=-1)  # [N, blocks, 34]
+    return QuantWeight(out.reshape(n, -1).contiguous(), "Q8_0", w.gguf_name)
+
+
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]

@@ -25,6 +25,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.embedding import Embedding
 from engine.model.fused_layer import FusedLayers
+from engine.model.gguf_weights import LOSSLESS_TO_Q8_0, to_q8_0
 from engine.model.linear import Linear, resolve
 from engine.model.quant_linear import QuantLinear, QuantLinearStack, native_weights
 from engine.model.norm import RMSNorm
@@ -79,7 +80,7 @@ class LlamaModel:
         # the positions a sequence can reach here (max_positions: the KV pool's tokens), not more
         table_len = min(self.shape.max_position, max_positions or self.shape.max_position)
         self.rope = rope_tables(inner.rotary_emb, set(self.spec.rope_keys), table_len, self.dtype, self.device)
-        # plain Llama layers run in C++ (engine/model/fused_layer.py; None: op by op)
+        # the layers run in C++ on CPU in fp32 (engine/model/fused_layer.py; None: op by op)
         self.fused = FusedLayers.for_model(self)
 
     @property
@@ -107,6 +108,8 @@ class LlamaModel:
         if blocks is None or None in blocks:
             return dense
         q8 = self.weight_format == "gguf-q8"
+        if len({b.qtype for b in blocks}) > 1 and all(b.qtype in LOSSLESS_TO_Q8_0 for b in blocks):
+            blocks = [to_q8_0(b) for b in blocks]  # e.g. Q5_0 q/k with Q8_0 v: one Q8_0 weight, exactly
         if len({b.qtype for b in blocks}) == 1:
             return QuantLinear(blocks, bias, dense, int8_activations=q8)
         return QuantLinearStack([QuantLinear([b], None, None, int8_activations=q8) for b in blocks], bias, dense)
@@ -169,7 +172,7 @@ class LlamaModel:
         if fused is not None and isinstance(prepared, CpuPlan) and fused.weights_for(num_tokens) is not None:
             fused.layers_in_one_call(h, [rope[key] for key in spec.rope_keys], kv_cache.data, prepared)
             return self._logits(h, logits_rows)
-        if fused is not None and num_tokens <= fused.max_rows:
+        if fused is not None and fused.plain and num_tokens <= fused.max_rows:
             return self._forward_halves(h, rope, meta, kv_cache, prepared, logits_rows)
         for i, w in enumerate(self.layers):
             x = w.input_norm(h)

@@ -96,7 +96,7 @@ def test_layers_refuses_lists_that_do_not_cover_every_layer():
     with pytest.raises(RuntimeError, match="per-layer lists"):
         OPS.layers(torch.zeros(1, 96), [torch.ones(96)] * 6, [8] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
                    4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4)
+                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4, [None] * 4, 0)
 
 
 def test_attn_out_mlp_refuses_shapes_that_do_not_chain():
@@ -187,7 +187,7 @@ def test_layers_refuses_a_dense_weight_that_is_not_prepacked():
     with pytest.raises(RuntimeError, match="oneDNN-prepacked"):
         OPS.layers(torch.zeros(1, 96), weights, [-1] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
                    4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4)
+                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4, [None] * 4, 0)
 
 
 def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tmp_path, tiny_model):

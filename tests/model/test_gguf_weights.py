@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 
 from engine.attention.torch_backend import TorchAttention
 from engine.model import quant_kernel
-from engine.model.gguf_weights import QuantWeight, read_gguf_weights, rope_unpermute
+from engine.model.gguf_weights import QuantWeight, read_gguf_weights, rope_unpermute, to_q8_0
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel
 from engine.model.quant_linear import QuantLinear, QuantLinearStack, native_weights
@@ -125,14 +125,32 @@ def test_a_type_without_kernel_is_named_or_runs_dequantized(tmp_path, capsys):
 
 
 @kernel
-def test_q5_0_and_a_fused_projection_of_two_types_keep_parity(tmp_path, capsys):
-    # as a Q4_K_M file mixes them: q/k Q5_0 with v Q8_0 in one fused projection
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_to_q8_0_keeps_every_weight(qtype):
+    w = torch.randn(7, 96)
+    blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[qtype]))
+    q8 = to_q8_0(QuantWeight(blocks, qtype, "w"))
+    assert q8.qtype == "Q8_0" and q8.blocks.shape == (7, 3 * 34)
+    assert torch.equal(quant_kernel.dequantize(q8.blocks, "Q8_0"), quant_kernel.dequantize(blocks, qtype))
+    with pytest.raises(ValueError, match="Q4_1 has no exact Q8_0 form"):
+        to_q8_0(QuantWeight(torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_1)), "Q4_1", "w"))
+
+
+@kernel
+@pytest.mark.parametrize("v_type,fused", [("Q8_0", "Q8_0"), ("Q4_1", None)])
+def test_a_fused_projection_of_two_types_keeps_parity(tmp_path, v_type, fused):
+    """Q5_0 q/k (as Q4_K_M files mix them) with a Q8_0 v: one Q8_0 weight, exactly; with a Q4_1
+    v (no exact common type): each part on its own kernel, outputs stacked."""
     types = dict(TINY_TYPES, **{"self_attn.q_proj": ("attn_q", "Q5_0"), "self_attn.k_proj": ("attn_k", "Q5_0"),
+                                "self_attn.v_proj": ("attn_v", v_type),
                                 "mlp.gate_proj": ("ffn_gate", "Q5_0"), "mlp.up_proj": ("ffn_up", "Q5_0")})
     loaded = write_tiny_gguf(tmp_path / "tiny.gguf", types)
     native = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf")
     qkv = native.layers[0].qkv
-    assert isinstance(qkv, QuantLinearStack) and [p.qtype for p in qkv.parts] == ["Q5_0", "Q5_0", "Q8_0"]
+    if fused:
+        assert isinstance(qkv, QuantLinear) and qkv.qtype == fused
+    else:
+        assert isinstance(qkv, QuantLinearStack) and [p.qtype for p in qkv.parts] == ["Q5_0", "Q5_0", "Q4_1"]
     assert native.layers[0].gate_up.qtype == "Q5_0"
     for text in ("hello world", "The quick brown fox"):
         assert_greedy_parity(loaded, native, loaded.tokenizer(text)["input_ids"])
@@ -140,8 +158,8 @@ def test_q5_0_and_a_fused_projection_of_two_types_keep_parity(tmp_path, capsys):
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"'gguf-q8': tensor blk\.\d\.attn_q\.weight is Q5_0"):
         native_weights(loaded.hf_model, loaded.gguf, "gguf-q8", cpu, torch.float32, "onednn")
-    q8 = native_weights(loaded.hf_model, loaded.gguf, "auto", cpu, torch.float32, "onednn")
-    assert {w.qtype for w in q8.values()} == {"Q5_0", "Q8_0", "Q4_0"}  # "auto": the fp32 kernel, every type
+    every = native_weights(loaded.hf_model, loaded.gguf, "auto", cpu, torch.float32, "onednn")
+    assert {w.qtype for w in every.values()} == {"Q5_0", "Q8_0", "Q4_0", v_type}  # "auto": the fp32 kernel's types
 
 
 @kernel

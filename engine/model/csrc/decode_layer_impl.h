@@ -1,4 +1,4 @@
-// A plain (Llama-arithmetic) decoder layer's work around attention: two calls a layer instead of
+// A decoder layer's work around attention: two calls a layer instead of
 // ~45 small ATen ops from Python, or (`layers`) every layer of a step in one call. Projections
 // run on GGUF blocks (our kernel, steps of few rows) or on oneDNN-prepacked fp32 weights
 // (DENSE: the dense copies, any step); elementwise passes split rows over torch's threads where
@@ -8,6 +8,9 @@
 //   attn_in:      x = rms_norm(h); qkv = x . Wqkv^T (+ b); RoPE (rotate-half) on q and k, in place
 //   attn_out_mlp: h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b);
 //                 h += (silu(g) * u) . Wd^T (+ b)
+//
+// `layers` also runs what Qwen3 and Gemma add (LayerExtras): q/k norms per head before RoPE,
+// norms on the attention and MLP outputs before each residual add, GeGLU (at::gelu_out, tanh).
 //
 // Each elementwise step keeps transformers' fp32 rounding order: x * rsqrt(mean(x^2) + eps) is
 // rounded before the weight multiplies it; RoPE is x*cos + rotate_half(x)*sin; silu is torch's
@@ -97,23 +100,35 @@ struct Scratch {
   Out qkv, y, g;  // projections: qkv [T, N], o and down [T, E], gate/up [T, 2I]
 };
 
-// y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)) for T rows of E values
+// y = w * (x * rsqrt(mean(x^2) + eps)) for one row of E values (y may be x)
+inline void rms_norm_row(const float* xr, int64_t E, const float* w, float eps, float* y) {
+  float lanes[16] = {};  // 16 partial sums, as a vectorized reduction keeps them
+  for (int64_t e = 0; e < E; ++e) lanes[e % 16] += xr[e] * xr[e];
+  float ss = 0.f;
+  for (float l : lanes) ss += l;
+  const float r = 1.f / std::sqrt(ss / float(E) + eps);
+  for (int64_t e = 0; e < E; ++e) {
+    const float n = xr[e] * r;
+    y[e] = w[e] * n;
+  }
+}
+
+// y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)) for T rows of E values (y may be x)
 void rms_norm(const float* x, int64_t T, int64_t E, const float* w, float eps, float* y) {
   at::parallel_for(0, T, grain(E), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* xr = x + t * E;
-      float lanes[16] = {};  // 16 partial sums, as a vectorized reduction keeps them
-      for (int64_t e = 0; e < E; ++e) lanes[e % 16] += xr[e] * xr[e];
-      float ss = 0.f;
-      for (float l : lanes) ss += l;
-      const float r = 1.f / std::sqrt(ss / float(E) + eps);
-      for (int64_t e = 0; e < E; ++e) {
-        const float n = xr[e] * r;
-        y[t * E + e] = w[e] * n;
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) rms_norm_row(x + t * E, E, w, eps, y + t * E);
   });
 }
+
+// What a family adds to the Llama layer (nullptr / false: absent). Gemma's norms take (1 + w),
+// which the caller passes as the weight: the same fp32 product.
+struct LayerExtras {
+  const float* q_norm = nullptr;     // [D]: every q head, before RoPE (Qwen3, Gemma 3)
+  const float* k_norm = nullptr;     // [D]: every k head
+  const float* attn_norm = nullptr;  // [E]: on the o projection's output, before the residual (Gemma)
+  const float* mlp_norm = nullptr;   // [E]: on the MLP's output, before the residual (Gemma)
+  bool gelu = false;                 // GeGLU (tanh) instead of SwiGLU
+};
 
 // h[T, E] += y[T, E]
 void add_rows(float* h, const float* y, int64_t T, int64_t E) {
@@ -131,17 +146,23 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(float* x, const floa
   for (int64_t j = half; j < R; ++j) x[j] = tmp[j] * c[j] + tmp[j - half] * s[j];
 }
 
-// x = rms_norm(h); qkv = x . W^T (+ b) [T, N] into sc.qkv; RoPE on the first heads + kv_heads heads of each row
+// x = rms_norm(h); qkv = x . W^T (+ b) [T, N] into sc.qkv; the q and k heads of each row
+// normed (where the layer has q/k norms), then rotated (the first heads + kv_heads heads)
 void attn_in_raw(const float* h, int64_t T, const float* norm_w, float eps, const Proj& p, const float* cos,
-                 const float* sin, int64_t R, int64_t rotated_heads, int64_t head_dim, int64_t isa, Scratch& sc) {
+                 const float* sin, int64_t R, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t isa,
+                 Scratch& sc, const LayerExtras& ex = {}) {
   float* x = sc.x.take(T * p.K);
   rms_norm(h, T, p.K, norm_w, eps, x);
   project(p, x, p.K, T, isa, sc.qkv);
   float* out = sc.qkv.data;
   at::parallel_for(0, T, grain(p.N), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t hd = 0; hd < rotated_heads; ++hd)  // q heads, then k heads (v is not rotated)
-        rope_head(out + t * p.N + hd * head_dim, cos + t * R, sin + t * R, R);
+      for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {  // q heads, then k heads (v is neither)
+        float* x = out + t * p.N + hd * head_dim;
+        const float* qk_norm = hd < heads ? ex.q_norm : ex.k_norm;
+        if (qk_norm) rms_norm_row(x, head_dim, qk_norm, eps, x);
+        rope_head(x, cos + t * R, sin + t * R, R);
+      }
   });
 }
 
@@ -168,15 +189,17 @@ void attn_in(const at::Tensor& h, const at::Tensor& norm_w, double eps, const at
   check_rope(cos, sin, T, head_dim);
   Scratch sc;
   attn_in_raw(h.data_ptr<float>(), T, norm_w.data_ptr<float>(), float(eps), p, cos.data_ptr<float>(),
-              sin.data_ptr<float>(), cos.size(-1), heads + kv_heads, head_dim, isa, sc);
+              sin.data_ptr<float>(), cos.size(-1), heads, kv_heads, head_dim, isa, sc);
   std::memcpy(qkv.data_ptr<float>(), sc.qkv.data, T * p.N * sizeof(float));
 }
 
-// h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b); h += (silu(g) * u) . Wd^T (+ b)
+// h += attn . Wo^T (+ b); x = rms_norm(h); g, u = x . Wgu^T (+ b); h += (silu(g) * u) . Wd^T (+ b).
+// Gemma (extras): each of the two residual branches is normed before it is added, and GeGLU.
 void attn_out_mlp_raw(float* hp, int64_t T, const float* attn, const Proj& o, const float* norm_w, float eps,
-                      const Proj& gu, const Proj& down, int64_t isa, Scratch& sc) {
+                      const Proj& gu, const Proj& down, int64_t isa, Scratch& sc, const LayerExtras& ex = {}) {
   const int64_t E = o.N, I = down.K;
   project(o, attn, o.K, T, isa, sc.y);
+  if (ex.attn_norm) rms_norm(sc.y.data, T, E, ex.attn_norm, eps, sc.y.data);
   add_rows(hp, sc.y.data, T, E);
   float* x = sc.x.take(T * E);
   rms_norm(hp, T, E, norm_w, eps, x);
@@ -184,12 +207,17 @@ void attn_out_mlp_raw(float* hp, int64_t T, const float* attn, const Proj& o, co
   float *g = sc.g.data, *a = sc.act.take(T * I);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor act = at::from_blob(a, {T, I}, f32);
-  at::silu_out(act, at::from_blob(g, {T, I}, {2 * I, 1}, f32));
+  const at::Tensor gate = at::from_blob(g, {T, I}, {2 * I, 1}, f32);
+  if (ex.gelu)
+    at::gelu_out(act, gate, "tanh");
+  else
+    at::silu_out(act, gate);
   at::parallel_for(0, T, grain(I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = 0; i < I; ++i) a[t * I + i] *= g[t * 2 * I + I + i];
   });
   project(down, a, I, T, isa, sc.y);
+  if (ex.mlp_norm) rms_norm(sc.y.data, T, E, ex.mlp_norm, eps, sc.y.data);
   add_rows(hp, sc.y.data, T, E);
 }
 
@@ -223,7 +251,9 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 // post-attention norm, gate/up, down (each projection GGUF blocks, or a prepacked weight whose
 // type is DENSE); types[4 l ..] and biases[4 l ..] = those of qkv, o, gate/up, down; cos/sin[l] =
 // the layer's rotary rows [T, R]; scale/window/softcap[l] = its attention; block_scales[4 l ..] =
-// the projections' fp32 scale pairs (or None).
+// the projections' fp32 scale pairs (or None); extra_norms[4 l ..] = the layer's q norm, k norm,
+// norm of the attention output and norm of the MLP output (each None where the family has none;
+// Gemma's as 1 + w), and activation 0 = SwiGLU, 1 = GeGLU (tanh).
 // kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables as the attention
 // kernel takes them (CpuPlan).
 void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
@@ -231,7 +261,8 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
             int64_t kv_heads, int64_t head_dim, double eps, int64_t isa, const at::Tensor& kv,
             const at::Tensor& slot_mapping, const at::Tensor& tiles, const at::Tensor& block_tables,
             at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap,
-            const c10::List<c10::optional<at::Tensor>>& block_scales) {
+            const c10::List<c10::optional<at::Tensor>>& block_scales,
+            const c10::List<c10::optional<at::Tensor>>& extra_norms, int64_t activation) {
   static const auto attention =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("stepwise_cpu::paged_attention", "")
@@ -240,10 +271,11 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
                       double)>();
   const int64_t L = kv.size(0), T = h.size(0), E = h.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   TORCH_CHECK(int64_t(weights.size()) == 6 * L && int64_t(types.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
-                  int64_t(block_scales.size()) == 4 * L &&
+                  int64_t(block_scales.size()) == 4 * L && int64_t(extra_norms.size()) == 4 * L &&
                   int64_t(cos.size()) == L && int64_t(sin.size()) == L && int64_t(scale.size()) == L &&
                   int64_t(window.size()) == L && int64_t(softcap.size()) == L,
-              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/4/1 entries for each of the ", L, " layers");
+              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/4/4/1 entries for each of the ", L, " layers");
+  TORCH_CHECK(activation == 0 || activation == 1, "stepwise_gguf.layers: activation must be 0 (SwiGLU) or 1 (GeGLU)");
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
                   kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
               "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32 [L, 2, blocks, block_size, KVH, D]");
@@ -262,8 +294,19 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
                     norm2->is_contiguous(), "stepwise_gguf.layers: layer ", l, "'s qkv projection or norms do not fit h");
     check_chain(o, gu, down, E, q_size);
     check_rope(cos[l], sin[l], T, head_dim);
+    LayerExtras ex;
+    ex.gelu = activation == 1;
+    const float** slots[4] = {&ex.q_norm, &ex.k_norm, &ex.attn_norm, &ex.mlp_norm};
+    for (int i = 0; i < 4; ++i) {
+      const c10::optional<at::Tensor> norm = extra_norms.get(4 * l + i);
+      if (!norm.has_value()) continue;
+      TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == (i < 2 ? head_dim : E),
+                  "stepwise_gguf.layers: layer ", l, "'s extra norm ", i, " must be contiguous float32 [",
+                  i < 2 ? head_dim : E, "]");
+      *slots[i] = norm->data_ptr<float>();
+    }
     attn_in_raw(h.data_ptr<float>(), T, norm1->data_ptr<float>(), float(eps), pqkv, cos[l].data_ptr<float>(),
-                sin[l].data_ptr<float>(), cos[l].size(-1), heads + kv_heads, head_dim, isa, sc);
+                sin[l].data_ptr<float>(), cos[l].size(-1), heads, kv_heads, head_dim, isa, sc, ex);
     if (sc.qkv.data != viewed) {  // q/k/v views of this layer's qkv [T, (H + 2 KVH) D]: the kernel's reused
       const at::Tensor qkv = sc.qkv.owner.defined() ? sc.qkv.owner : at::from_blob(sc.qkv.data, {T, pqkv.N}, h.options());
       q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
@@ -275,6 +318,6 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
     attention.call(q, k, v, layer_kv.select(0, 0), layer_kv.select(0, 1), slot_mapping, tiles, block_tables, out,
                    scale[l], window[l], softcap[l]);
     attn_out_mlp_raw(h.data_ptr<float>(), T, out.data_ptr<float>(), o, norm2->data_ptr<float>(), float(eps), gu, down, isa,
-                     sc);
+                     sc, ex);
   }
 }

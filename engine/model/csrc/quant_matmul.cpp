@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -283,7 +284,8 @@ TORCH_LIBRARY(stepwise_gguf, m) {
         "Tensor? down_bias, int isa, Tensor?[] scales) -> ()");
   m.def("layers(Tensor(a!) h, Tensor[] weights, int[] types, Tensor?[] biases, Tensor[] cos, Tensor[] sin, int heads, "
         "int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, Tensor slot_mapping, Tensor tiles, "
-        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] block_scales) -> ()");
+        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] block_scales, Tensor?[] extra_norms, "
+        "int activation) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
   m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
   m.impl("layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(layers));  // dense weights are oneDNN tensors

@@ -150,14 +150,11 @@ inline void dequant_q5_0_scaled(const uint8_t* b, const float* s, vf* w) {
   const uint8_t* q = b + 6;
 #if STEPWISE_SW == 16
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));  // byte j: weights j, j + 16
-  const __m512i hb = _mm512_set1_epi32(int(qh)), one = _mm512_set1_epi32(1);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i bit_lo = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(hb, lane), one), 4);
-  const __m512i bit_hi = _mm512_slli_epi32(
-      _mm512_and_si512(_mm512_srlv_epi32(hb, _mm512_add_epi32(lane, _mm512_set1_epi32(16))), one), 4);
+  const __m512i sixteen = _mm512_set1_epi32(16);  // a fifth bit, set in the lanes qh's bits select
+  const __m512i lo = _mm512_and_si512(c, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(c, 4);
   const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
-  w[0] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(15)), bit_lo)), d, m);
-  w[1] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(c, 4), bit_hi)), d, m);
+  w[0] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(lo, __mmask16(qh), lo, sixteen)), d, m);
+  w[1] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, __mmask16(qh >> 16), hi, sixteen)), d, m);
 #elif STEPWISE_SW == 8
   const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));        // weights 0..7, 16..23
   const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));  // weights 8..15, 24..31
