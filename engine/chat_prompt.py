@@ -15,6 +15,9 @@ def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) ->
         raise RequestError("messages must be a list of {role: str, content: str}", "messages")
     if not messages:
         raise RequestError("messages must not be empty", "messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("this model has no chat template (a pretrained, not instruction-tuned, model): "
+                           "send a prompt to /v1/completions instead", "messages")
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)

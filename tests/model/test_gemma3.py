@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.errors import RequestError
 from engine.model import quant_kernel
 from engine.model.gguf_weights import read_gguf_weights
 from engine.model.llama import LlamaModel
@@ -147,6 +148,8 @@ def test_engine_chunked_greedy_equals_generate(gemma, prompts, long_prompt, expe
 
     async def run():
         async with Engine(cfg, loaded=gemma) as engine:
+            with pytest.raises(RequestError, match="no chat template"):  # a pretrained model: completions only
+                await engine.submit(messages=[{"role": "user", "content": "hi"}], params=greedy(4))
             return await run_all(engine, all_prompts, [greedy(NEW_TOKENS)] * len(all_prompts))
 
     results = asyncio.run(run())
