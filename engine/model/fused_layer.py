@@ -2,17 +2,16 @@
 
 A decode step of one row spends as long in ~45 small ATen ops per layer (norms, RoPE, slicing,
 residual adds, each a Python call and a dispatch) as in its projections; a step of many rows
-still spends ~10 % of its time in them and in Python. Where a model's layers are plain Llama
-arithmetic (fp32, CPU), each layer runs as:
+still spends ~10 % of its time in them and in Python. On CPU in fp32, each layer runs as:
 
     attn_in       rms_norm -> qkv projection (+ bias) -> RoPE on q and k      (C++)
     attention     the configured backend, unchanged                           (store K/V, attend)
     attn_out_mlp  o projection -> residual -> rms_norm -> gate/up -> silu * up -> down -> residual  (C++)
 
 Two sets of weights can run it:
-- kernel: every projection on GGUF blocks of one type each (QuantLinear, fp32 activations), for
-  steps of at most `max_rows` rows, where our block kernel beats the dense copy (a projection
-  stacked from several types, QuantLinearStack, leaves such steps op by op);
+- kernel: every projection on GGUF blocks (QuantLinear, fp32 activations), for steps of at most
+  `max_rows` rows, where our block kernel beats the dense copy (a projection stacked from
+  several block types, QuantLinearStack, runs its dense copy there);
 - dense: every projection's oneDNN-prepacked fp32 weight (the QuantLinear's dense copy, or the
   Linear of a dequantized / Hugging Face model), for any step, called from C++ as the Python
   path calls it (torch.ops.mkldnn._linear_pointwise).
@@ -91,7 +90,10 @@ class FusedLayers:
         self.kernel = weight_set(_blocks_or_dense) if kernel else None
         self.dense = weight_set(lambda p: (_dense(p).weight, DENSE, _dense(p).bias, None)) if dense else None
         runs = [p for ps in projections for p in ps if isinstance(p, QuantLinear)]
-        self.max_rows = min(p.max_rows for ps in projections for p in ps) if kernel else 0
+        # steps of up to max_rows rows belong to the block kernels: the kernel set's, or (no kernel
+        # set: int8 activations, gguf-q8) the projections' own, op by op (weights_for: None)
+        self.max_rows = min((p.max_rows for ps in projections for p in ps if isinstance(p, (QuantLinear, QuantLinearStack))),
+                            default=0)
         self._isa = quant_kernel.ISAS[runs[0].isa] if kernel else quant_kernel.ISAS[quant_kernel.best_isa()]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]
@@ -122,7 +124,7 @@ class FusedLayers:
 
     def weights_for(self, rows: int) -> _Weights | None:
         """The weight set a step of `rows` rows runs on: the kernel's up to max_rows, else the
-        dense one; None where neither applies (op by op)."""
+        dense one; None where neither applies (op by op: e.g. gguf-q8's int8 kernel steps)."""
         return self.kernel if rows <= self.max_rows else self.dense
 
     def layers_in_one_call(self, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], kv: torch.Tensor,

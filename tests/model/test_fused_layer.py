@@ -158,6 +158,26 @@ def test_fused_weight_sets_follow_the_weight_format(tmp_path, tiny_model):
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
+def test_gguf_q8_steps_of_few_rows_run_the_int8_kernel_with_the_cpu_backend(tmp_path):
+    """The opt-in must not be skipped: with the CPU attention kernel, a 1-row step of a gguf-q8
+    model once ran the dense fp32 copies in the one-call loop instead of the int8 kernel."""
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
+    calls, q8_calls = [], []
+    all_layers = model.fused.layers_in_one_call
+    model.fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
+    matmul_q8 = qk.matmul_q8
+    qk.matmul_q8 = lambda x, *a: q8_calls.append(x.shape[0]) or matmul_q8(x, *a)
+    try:
+        runner = PagedRunner(model, num_blocks=16)
+        runner.step([(0, list(range(3, 40)))])  # 37 rows: the dense copies, in one call
+        runner.step([(0, [5])])  # 1 row: the int8 kernel, op by op
+    finally:
+        qk.matmul_q8 = matmul_q8
+    assert calls == [37] and q8_calls and set(q8_calls) == {1}
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
 def test_dense_model_runs_every_step_in_one_call_with_op_by_op_logits(tiny_model):
     model = LlamaModel(tiny_model.hf_model, CpuAttention())
     fused = model.fused
@@ -196,6 +216,8 @@ def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tm
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf").small_step_rows == rows
     q8 = LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
     # kernel steps op by op, the same switch everywhere: the int8 kernel's own (it has no panels)
-    assert q8.fused.kernel is None and q8.small_step_rows == kernel_max_rows(qk.best_isa(), int8_activations=True) <= rows
+    q8_rows = kernel_max_rows(qk.best_isa(), int8_activations=True)
+    assert q8.fused.kernel is None and q8.small_step_rows == q8_rows <= rows
+    assert q8.fused.weights_for(q8_rows) is None and q8.fused.weights_for(q8_rows + 1) is q8.fused.dense
     assert LlamaModel(loaded.hf_model, TorchAttention(), gguf=loaded.gguf, weight_format="dequantized").small_step_rows is None
     assert LlamaModel(tiny_model.hf_model, TorchAttention()).small_step_rows is None  # dense weights: one regime
