@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.chat_prompt import chat_prompt
+from engine.chat_prompt import chat_prompt, encode
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
@@ -131,7 +131,8 @@ class Intake:
             text = msg.prompt
         else:
             raise RequestError("prompt must be a string or a list of token ids", "prompt")
+        chat = msg.messages is not None
         if len(text) <= LONG_PROMPT_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return encode(self.tokenizer, text, chat)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: self.tokenizer.encode(text, add_special_tokens=False))
+        return await loop.run_in_executor(self._thread, lambda: encode(self.tokenizer, text, chat))

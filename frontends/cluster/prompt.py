@@ -3,7 +3,7 @@
 The router needs the prompt's token ids to hash its KV blocks, and the replica then gets the
 ids (not the text), so nothing is tokenized twice. The rules, and the errors for what they
 refuse, are intake's: a chat goes through the model's chat template with the generation
-prompt, text is encoded without special tokens, a list of ids is taken as is (the replica's
+prompt, text is encoded by chat_prompt.encode, a list of ids is taken as is (the replica's
 intake still checks their range, the context length and the KV pool).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.chat_prompt import chat_prompt
+from engine.chat_prompt import chat_prompt, encode
 from engine.errors import RequestError
 
 LONG_PROMPT_CHARS = 2000  # tokenize on a worker thread beyond this (as intake does)
@@ -33,6 +33,7 @@ async def prompt_ids(tokenizer, prompt: str | list[int] | None, messages: list[d
     text = _text_of(tokenizer, prompt, messages)
     if isinstance(text, list):
         return text
+    chat = messages is not None
     if len(text) <= LONG_PROMPT_CHARS:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        return encode(tokenizer, text, chat)
+    return await asyncio.to_thread(encode, tokenizer, text, chat)

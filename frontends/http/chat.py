@@ -16,7 +16,7 @@ from aiohttp import web
 from msgspec import UNSET
 
 from engine import RequestOutput
-from engine.chat_prompt import chat_prompt
+from engine.chat_prompt import chat_prompt, encode
 from engine.errors import RequestError
 from frontends.http.chat_tools import ForcedCalls, HermesCalls
 from frontends.http.errors import ApiError, from_engine
@@ -73,7 +73,7 @@ async def prompt_ids(state: ServerState, messages: list[dict], tools: list[dict]
     tokenizer = state.engine.tokenizer
 
     def tokenize() -> list[int]:
-        return tokenizer.encode(chat_prompt(tokenizer, messages, tools), add_special_tokens=False)
+        return encode(tokenizer, chat_prompt(tokenizer, messages, tools), chat=True)
 
     try:
         return await asyncio.to_thread(tokenize)

@@ -1,8 +1,9 @@
 """POST /tokenize, POST /detokenize, GET /version, in vLLM's shapes.
 
 /tokenize takes a `prompt` or chat `messages` (rendered through the chat template, as a chat
-request is) and answers the ids the engine would see: `add_special_tokens` defaults to false,
-as the engine's own tokenizing does. A field these requests do not have is refused with a 400
+request is) and answers the ids the engine would see: `add_special_tokens` defaults to what
+the engine does (a prompt gets the tokenizer's special tokens, a rendered chat none), as
+vLLM's defaults for the two are. A field these requests do not have is refused with a 400
 naming it, as the generation endpoints refuse theirs (frontends/http/fields.py).
 """
 
@@ -15,7 +16,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Struct
 
-from engine.chat_prompt import chat_prompt
+from engine.chat_prompt import chat_prompt, encode
 from engine.errors import RequestError
 from frontends.http.errors import ApiError, from_engine
 from frontends.http.generate import ensure_ready
@@ -28,7 +29,7 @@ class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None  # None: as the engine encodes (engine/chat_prompt.py)
     return_token_strs: bool = False
 
 
@@ -62,7 +63,10 @@ async def tokenize(request: web.Request) -> web.Response:
     tokenizer = state.engine.tokenizer
 
     def run() -> list[int]:
-        text = body.prompt if body.messages is None else chat_prompt(tokenizer, [m.as_dict() for m in body.messages])
+        chat = body.messages is not None
+        text = chat_prompt(tokenizer, [m.as_dict() for m in body.messages]) if chat else body.prompt
+        if body.add_special_tokens is None:
+            return encode(tokenizer, text, chat)
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
     try:

@@ -150,8 +150,11 @@ def test_engine_chunked_greedy_equals_generate(gemma, prompts, long_prompt, expe
         async with Engine(cfg, loaded=gemma) as engine:
             with pytest.raises(RequestError, match="no chat template"):  # a pretrained model: completions only
                 await engine.submit(messages=[{"role": "user", "content": "hi"}], params=greedy(4))
-            return await run_all(engine, all_prompts, [greedy(NEW_TOKENS)] * len(all_prompts))
+            # text is encoded with the tokenizer's BOS, as transformers' own tokenizer(text) is
+            text = (await run_all(engine, [PROMPTS[0]], [greedy(NEW_TOKENS)]))[0]
+            return text, await run_all(engine, all_prompts, [greedy(NEW_TOKENS)] * len(all_prompts))
 
-    results = asyncio.run(run())
+    text, results = asyncio.run(run())
+    assert up_to_eos(text.token_ids, gemma) == expected[0] and text.outputs[-1].num_prompt_tokens == len(prompts[0])
     for prompt, result, want in zip(all_prompts, results, [expected[-1], *expected[:-1]]):
         assert up_to_eos(result.token_ids, gemma) == want, f"{len(prompt)}-token prompt"
