@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from engine.errors import RequestError
 
+LONG_PROMPT_CHARS = 2000  # text longer than this is encoded off the event loop (intake, the cluster's ingress)
+
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of a prompt's text: a completion's with the tokenizer's special tokens, a

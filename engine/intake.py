@@ -14,14 +14,12 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.chat_prompt import chat_prompt, encode
+from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
 from engine.request import Request, choice_seed
 from engine.structured.compiler import GrammarCache
-
-LONG_PROMPT_CHARS = 2000  # tokenize on the worker thread beyond this
 
 
 class Intake:

@@ -44,7 +44,7 @@ class UnsupportedArchitecture(ValueError):
 
 @dataclass(frozen=True)
 class QuantWeight:
-    blocks: torch.Tensor  # [N, K/32 * block bytes] uint8
+    blocks: torch.Tensor  # [N, K/block weights * block bytes] uint8
     qtype: str  # a quant_kernel.KERNEL_TYPES name
     gguf_name: str
 
@@ -70,7 +70,7 @@ def to_q8_0(w: QuantWeight) -> QuantWeight:
     if w.qtype not in LOSSLESS_TO_Q8_0:
         raise ValueError(f"{w.gguf_name}: {w.qtype} has no exact Q8_0 form")
     n = w.blocks.shape[0]
-    b = w.blocks.view(n, -1, 18 if w.qtype == "Q4_0" else 22)  # [N, blocks, block bytes]
+    b = w.blocks.view(n, -1, KERNEL_TYPES[w.qtype].bytes)  # [N, blocks, block bytes]
     qs = b[..., -16:].to(torch.int16)  # the nibbles: byte j holds weights j (low) and j + 16 (high)
     codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, blocks, 32]
     if w.qtype == "Q5_0":  # the fifth bits, bit j of the 32-bit qh for weight j

@@ -43,6 +43,7 @@ class QType(NamedTuple):
 KERNEL_TYPES = {"Q4_0": QType(2, 18, 32), "Q4_1": QType(3, 20, 32), "Q5_0": QType(6, 22, 32),
                 "Q8_0": QType(8, 34, 32), "Q4_K": QType(12, 144, 256), "Q6_K": QType(14, 210, 256)}
 Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what matmul_q8 runs
+SCALES_ONLY = ("Q5_0", "Q4_K", "Q6_K")  # run only with their block_scales (made when a caller has none)
 BLOCK = 32  # weights per scale pair (block_scales) and per int8 activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
@@ -89,9 +90,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
     """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
     scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
     (and which Q5_0, Q4_K and Q6_K need: made here when not given)."""
-    if scales is None and qtype in SCALES_ONLY:
-        scales = block_scales(blocks, qtype)
-    return _product("matmul", x, blocks, qtype, isa, scales)
+    return _product("matmul", x, blocks, qtype, isa, _needed_scales(blocks, qtype, scales))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
@@ -100,13 +99,13 @@ def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
     t = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // t.bytes * t.weights
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    if scales is None and qtype in SCALES_ONLY:
-        scales = block_scales(blocks, qtype)
-    _KERNEL.get().dequantize(blocks, t.id, k, _isa_id(isa), out, scales)
+    _KERNEL.get().dequantize(blocks, t.id, k, _isa_id(isa), out, _needed_scales(blocks, qtype, scales))
     return out
 
 
-SCALES_ONLY = ("Q5_0", "Q4_K", "Q6_K")  # run only with their block_scales
+def _needed_scales(blocks: torch.Tensor, qtype: str, scales: torch.Tensor | None) -> torch.Tensor | None:
+    """`scales`, or the blocks' own where the type runs only with them (SCALES_ONLY)."""
+    return block_scales(blocks, qtype) if scales is None and qtype in SCALES_ONLY else scales
 
 
 def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:

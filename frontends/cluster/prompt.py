@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.chat_prompt import chat_prompt, encode
+from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
 from engine.errors import RequestError
-
-LONG_PROMPT_CHARS = 2000  # tokenize on a worker thread beyond this (as intake does)
 
 
 def _text_of(tokenizer, prompt: str | list[int] | None, messages: list[dict] | None) -> str | list[int]:
