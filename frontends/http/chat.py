@@ -92,6 +92,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await request.read()
     body = decode(raw, ChatRequest)
+    try:
+        return await _complete(request, state, raw, body)
+    except ApiError as e:  # the engine knows the length as max_tokens; name it as the client did
+        raise e.naming("max_tokens", body.max_tokens_field()) from None
+
+
+async def _complete(request: web.Request, state: ServerState, raw: bytes, body: ChatRequest) -> web.StreamResponse:
     check_refused(raw, "chat")
     check_model(state, body.model)
     logprobs = body.resolved_logprobs()

@@ -9,6 +9,7 @@ same shape. `from_engine` maps the engine's exceptions to statuses.
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 from aiohttp import web
@@ -35,6 +36,15 @@ class ApiError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
+
+    def naming(self, field: str, sent_as: str) -> ApiError:
+        """This error as the client sent the field: `field` renamed `sent_as` in its message and
+        param (chat's max_completion_tokens, which the engine knows as max_tokens)."""
+        message = re.sub(rf"\b{field}\b", sent_as, self.message)
+        if message == self.message and self.param != field:
+            return self
+        return ApiError(self.status, message, param=sent_as if self.param == field else self.param, code=self.code,
+                        type=self.type, headers=self.headers)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -223,6 +223,10 @@ class ChatRequest(SamplingFields, kw_only=True):
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The name the client gave the completion's length (errors about it use that name)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def resolved_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")

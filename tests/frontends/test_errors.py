@@ -42,7 +42,14 @@ BAD = [
     (CHAT, b'{"messages": [{"content": "x"}]}', 400, "messages[0].role", "missing required field `role`"),
     (CHAT, b'{"messages": "hi"}', 400, "messages", "Expected `array`"),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages", "only text"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', 400, "max_tokens", ">= 1"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', 400,
+     "max_completion_tokens", "max_completion_tokens must be an integer >= 1"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens",
+     "max_tokens must be an integer >= 1"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3}', 400,
+     "min_tokens", "must not exceed max_completion_tokens (2)"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}', 400,
+     "max_completion_tokens", "reduce the length of the prompt or max_completion_tokens"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "nope"}', 404, "model", "does not exist"),
 ]
 
