@@ -9,9 +9,9 @@ still spends ~10 % of its time in them and in Python. On CPU in fp32, each layer
     attn_out_mlp  o projection -> residual -> rms_norm -> gate/up -> silu * up -> down -> residual  (C++)
 
 Two sets of weights can run it:
-- kernel: every projection on GGUF blocks (QuantLinear, fp32 activations), for steps of at most
-  `max_rows` rows, where our block kernel beats the dense copy (a projection stacked from
-  several block types, QuantLinearStack, runs its dense copy there);
+- kernel: every projection on GGUF blocks (QuantLinear, fp32 activations; a QuantLinearStack's
+  parts of different block types, each into its own output columns), for steps of at most
+  `max_rows` rows, where our block kernel beats the dense copy;
 - dense: every projection's oneDNN-prepacked fp32 weight (the QuantLinear's dense copy, or the
   Linear of a dequantized / Hugging Face model), for any step, called from C++ as the Python
   path calls it (torch.ops.mkldnn._linear_pointwise).
@@ -45,10 +45,12 @@ DENSE = -1  # a projection's type id in the C++ ops when its weight is a oneDNN-
 class _Weights:
     """One weight set of every layer, flattened as the C++ `layers` op takes it."""
 
-    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate/up, down
-    types: list[int]  # per layer: qkv, o, gate/up, down (ggml type id, or DENSE)
-    biases: list[torch.Tensor | None]  # the same four
-    scales: list[torch.Tensor | None]  # the same four: fp32 scale pairs of Q4 blocks, else None
+    norms: list[torch.Tensor]  # per layer: input norm, the MLP's input norm
+    parts: list[int]  # per layer: how many weights qkv, o, gate/up, down each stack (1 but for a QuantLinearStack)
+    weights: list[torch.Tensor]  # those weights in order: GGUF blocks, or a oneDNN-prepacked dense one
+    types: list[int]  # each weight's ggml type id, or DENSE
+    scales: list[torch.Tensor | None]  # each weight's fp32 scale pairs (block_scales), or None
+    biases: list[torch.Tensor | None]  # per layer: qkv, o, gate/up, down
 
 
 def _extra_norms(w) -> list[torch.Tensor | None]:
@@ -73,23 +75,25 @@ class FusedLayers:
         self._ops = torch.ops.stepwise_gguf
         projections = [(w.qkv, w.o, w.gate_up, w.down) for w in layers]
 
-        def weight_set(pick) -> _Weights:  # pick(projection) -> (weight, type id, bias, scales)
-            out = _Weights([], [], [], [])
+        def weight_set(pick) -> _Weights:  # pick(projection) -> ([(weight, type id, scales)], bias)
+            out = _Weights([], [], [], [], [], [])
             for w, ps in zip(layers, projections):
-                qkv, o, gu, down = (pick(p) for p in ps)
                 mlp_in = w.pre_ff_norm if w.pre_ff_norm is not None else w.post_attn_norm  # the MLP's input norm
-                out.weights.extend((w.input_norm.weight, qkv[0], o[0], mlp_in.weight, gu[0], down[0]))
-                for _, type_id, bias, scales in (qkv, o, gu, down):
-                    out.types.append(type_id)
+                out.norms.extend((w.input_norm.weight, mlp_in.weight))
+                for p in ps:
+                    parts, bias = pick(p)
+                    out.parts.append(len(parts))
+                    for weight, type_id, scales in parts:
+                        out.weights.append(weight)
+                        out.types.append(type_id)
+                        out.scales.append(scales)
                     out.biases.append(bias)
-                    out.scales.append(scales)
             return out
 
-        # kernel steps (at most max_rows rows): GGUF blocks (a projection stacked from two types: its
-        # dense copy); other steps: the dense copies
-        self.kernel = weight_set(_blocks_or_dense) if kernel else None
-        self.dense = weight_set(lambda p: (_dense(p).weight, DENSE, _dense(p).bias, None)) if dense else None
-        runs = [p for ps in projections for p in ps if isinstance(p, QuantLinear)]
+        # kernel steps (at most max_rows rows): GGUF blocks; other steps: the dense copies
+        self.kernel = weight_set(_blocks) if kernel else None
+        self.dense = weight_set(lambda p: ([(_dense(p).weight, DENSE, None)], _dense(p).bias)) if dense else None
+        runs = [q for ps in projections for p in ps for q in _runs(p)]
         # steps of up to max_rows rows belong to the block kernels: the kernel set's, or (no kernel
         # set: int8 activations, gguf-q8) the projections' own, op by op (weights_for: None)
         self.max_rows = min((p.max_rows for ps in projections for p in ps if isinstance(p, (QuantLinear, QuantLinearStack))),
@@ -113,9 +117,7 @@ class FusedLayers:
             return None
         projections = [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
         dense = all(_dense(p) is not None for p in projections)
-        kernel = all(isinstance(p, QuantLinear) and not p.int8_activations
-                     or isinstance(p, QuantLinearStack) and _dense(p) is not None for p in projections)
-        kernel = kernel and any(isinstance(p, QuantLinear) for p in projections)
+        kernel = all(_runs(p) and not any(q.int8_activations for q in _runs(p)) for p in projections)
         if not (kernel or dense) or not quant_kernel.quant_kernel_available():
             return None
         s = model.shape
@@ -134,7 +136,7 @@ class FusedLayers:
         plan: the CPU attention backend's CpuPlan for this step. The step must have a weight set
         (weights_for)."""
         w = self.weights_for(h.shape[0])
-        self._ops.layers(h, w.weights, w.types, w.biases, [c for c, _ in rope], [s for _, s in rope],
+        self._ops.layers(h, w.norms, w.weights, w.types, w.parts, w.biases, [c for c, _ in rope], [s for _, s in rope],
                          self.heads, self.kv_heads, self.head_dim, self.eps, self._isa, kv, plan.slot_mapping,
                          plan.tiles, plan.block_tables, self._scale, self._window, self._softcap, w.scales,
                          self.extra_norms, self._activation)
@@ -157,11 +159,15 @@ class FusedLayers:
                                quant_kernel.ISAS[o.isa], [o.scales, gu.scales, down.scales])
 
 
-def _blocks_or_dense(p) -> tuple:
-    """(weight, type id, bias, scales) of a projection for the kernel steps."""
-    if isinstance(p, QuantLinearStack):  # the C++ loop takes one weight per projection
-        return _dense(p).weight, DENSE, _dense(p).bias, None
-    return p.blocks, _type_id(p), p.bias, p.scales
+def _runs(p) -> list[QuantLinear]:
+    """The block kernels a projection runs on: itself, a stack's parts, or none (dense)."""
+    return p.parts if isinstance(p, QuantLinearStack) else [p] if isinstance(p, QuantLinear) else []
+
+
+def _blocks(p) -> tuple:
+    """([(blocks, type id, scales)], bias) of a projection for the kernel steps: one part, or a
+    stack's, each filling its own output columns."""
+    return [(q.blocks, _type_id(q), q.scales) for q in _runs(p)], p.bias
 
 
 def _type_id(p: QuantLinear) -> int:

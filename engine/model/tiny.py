@@ -34,11 +34,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 259) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 259, hidden_size: int = 64,
+               intermediate_size: int = 128) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -14,12 +14,14 @@ import torch.nn.functional as F
 from engine.attention.cpu_backend import CpuAttention, cpu_kernel_available
 from engine.attention.torch_backend import TorchAttention
 from engine.model import quant_kernel as qk
-from engine.model.fused_layer import FusedLayers
+from engine.model.fused_layer import DENSE, FusedLayers
 from engine.model.llama import LlamaModel
 from engine.model.norm import RMSNorm
 from engine.cpu import NATIVE_MAX_ROWS, kernel_max_rows
 from engine.model.rope import apply_rope
+from engine.model.tiny import tiny_llama
 from tests.model.test_gguf_weights import write_tiny_gguf
+from tests.model.test_parity import assert_greedy_parity
 from tests.model.test_quant_kernel import ISAS, SCALED, random_blocks, scales_for
 from tests.paged import PagedRunner
 
@@ -91,12 +93,26 @@ def test_attn_out_mlp_equals_the_op_by_op_layer_tail(isa: str, rows: int, with_b
     close(got, want)
 
 
-def test_layers_refuses_lists_that_do_not_cover_every_layer():
-    kv = torch.zeros(2, 2, 4, 16, 2, 32)  # 2 layers
+def call_layers(kv: torch.Tensor, weights: list, types: list[int], parts: list[int]) -> None:
+    """The `layers` op on one layer's lists (norms, biases, rotary rows of one 96-wide row)."""
+    OPS.layers(torch.zeros(1, 96), [torch.ones(96)] * 2, weights, types, parts, [None] * 4, [torch.ones(1, 32)],
+               [torch.ones(1, 32)], 4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long),
+               torch.zeros(1, 5, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0],
+               [None] * len(weights), [None] * 4, 0)
+
+
+def test_layers_refuses_lists_that_do_not_cover_every_layer_or_part():
     with pytest.raises(RuntimeError, match="per-layer lists"):
-        OPS.layers(torch.zeros(1, 96), [torch.ones(96)] * 6, [8] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
-                   4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4, [None] * 4, 0)
+        call_layers(torch.zeros(2, 2, 4, 16, 2, 32), [torch.ones(96)] * 4, [8] * 4, [1] * 4)  # kv of 2 layers
+    kv = torch.zeros(1, 2, 4, 16, 2, 32)
+    with pytest.raises(RuntimeError, match="one entry per part"):
+        call_layers(kv, [torch.ones(96)] * 4, [8] * 4, [2, 1, 1, 1])
+    with pytest.raises(RuntimeError, match="stacks 1 to 3 weights"):
+        call_layers(kv, [torch.ones(96)] * 4, [8] * 4, [0, 2, 1, 1])
+    qkv = [random_blocks("Q8_0", n, 96, i) for i, n in enumerate((128, 64, 64))]
+    rest = [random_blocks("Q8_0", 96, 128, 3), random_blocks("Q8_0", 320, 96, 4), random_blocks("Q8_0", 96, 160, 5)]
+    with pytest.raises(RuntimeError, match="one prepacked weight, not stacked"):
+        call_layers(kv, qkv + rest, [8, 8, DENSE, 8, 8, 8], [3, 1, 1, 1])
 
 
 def test_attn_out_mlp_refuses_shapes_that_do_not_chain():
@@ -140,6 +156,43 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+# a Q4_K_M file's layer: q/k Q4_K with a Q6_K v, which share no exact block type
+Q4_K_M = {"self_attn.q_proj": ("attn_q", "Q4_K"), "self_attn.k_proj": ("attn_k", "Q4_K"),
+          "self_attn.v_proj": ("attn_v", "Q6_K"), "self_attn.o_proj": ("attn_output", "Q8_0"),
+          "mlp.gate_proj": ("ffn_gate", "Q4_K"), "mlp.up_proj": ("ffn_up", "Q4_K"), "mlp.down_proj": ("ffn_down", "Q6_K")}
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
+def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_path):
+    """Its parts fill their own columns of qkv in the C++ loop's kernel steps (before, such a
+    projection ran its fp32 dense copy there), with op-by-op logits and transformers' text."""
+    hf = tiny_llama(hidden_size=256, intermediate_size=512)  # k-quants need K a multiple of 256
+    loaded = write_tiny_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M, model=hf)
+    model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf")
+    fused = model.fused
+    assert [p.qtype for p in model.layers[0].qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert fused.kernel.parts == [3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
+    assert fused.dense.parts == [1] * 8 and set(fused.dense.types) == {DENSE}
+    calls = []
+    all_layers = fused.layers_in_one_call
+    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
+
+    def run(use_fused: bool) -> list[torch.Tensor]:
+        model.fused = fused if use_fused else None
+        runner = PagedRunner(model, num_blocks=16)
+        out = [runner.step([(0, list(range(3, 3 + fused.max_rows + 4)))])]  # the dense copies
+        out += [runner.step([(0, [7 + t]), (1, [40 + t])] if t else [(1, list(range(40, 45)))]) for t in range(4)]
+        return out
+
+    got, want = run(True), run(False)
+    assert calls == [fused.max_rows + 4, 5, 2, 2, 2]
+    for g, w in zip(got, want):
+        close(g, w)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    model.fused = fused
+    assert_greedy_parity(loaded, model, loaded.tokenizer("hello world")["input_ids"])
 
 
 def test_fused_weight_sets_follow_the_weight_format(tmp_path, tiny_model):
@@ -202,12 +255,9 @@ def test_dense_model_runs_every_step_in_one_call_with_op_by_op_logits(tiny_model
 
 def test_layers_refuses_a_dense_weight_that_is_not_prepacked():
     kv = torch.zeros(1, 2, 4, 16, 2, 32)
-    weights = [torch.ones(96), torch.ones(256, 96), torch.ones(96, 128), torch.ones(96), torch.ones(320, 96),
-               torch.ones(96, 160)]
+    weights = [torch.ones(256, 96), torch.ones(96, 128), torch.ones(320, 96), torch.ones(96, 160)]
     with pytest.raises(RuntimeError, match="oneDNN-prepacked"):
-        OPS.layers(torch.zeros(1, 96), weights, [-1] * 4, [None] * 4, [torch.ones(1, 32)], [torch.ones(1, 32)],
-                   4, 2, 32, EPS, 0, kv, torch.zeros(1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), [1.0], [0], [0.0], [None] * 4, [None] * 4, 0)
+        call_layers(kv, weights, [DENSE] * 4, [1] * 4)
 
 
 def test_small_step_rows_says_where_the_kernels_hand_over_to_the_dense_copies(tmp_path, tiny_model):

@@ -17,6 +17,7 @@ from engine.model.loader import LoadedModel
 from engine.model.quant_linear import QuantLinear, QuantLinearStack, native_weights
 from engine.model.tiny import tiny_llama, tiny_tokenizer
 from tests.model.test_parity import assert_greedy_parity
+from tests.model.test_quant_kernel import K_QUANTS, random_blocks
 from tests.paged import PagedRunner
 
 kernel = pytest.mark.skipif(not quant_kernel.quant_kernel_available(), reason="the C++ GGUF kernel does not build here")
@@ -33,10 +34,11 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, types=TINY_TYPES, arch: str = "llama") -> LoadedModel:
-    """A tiny Llama as a GGUF file, and the same model with its weights set to the file's
-    dequantized values (what transformers would load from it). `arch` only labels the file."""
-    model = tiny_llama().eval()
+def write_tiny_gguf(path, types=TINY_TYPES, arch: str = "llama", model=None) -> LoadedModel:
+    """A tiny Llama (`model`, or tiny_llama()) as a GGUF file, and the same model with its weights
+    set to the file's dequantized values (what transformers would load from it). `arch` only
+    labels the file. gguf cannot quantize to k-quants: those tensors get random blocks."""
+    model = (model or tiny_llama()).eval()
     cfg = model.config
     writer = GGUFWriter(str(path), arch)
     params = dict(model.named_parameters())
@@ -49,7 +51,11 @@ def write_tiny_gguf(path, types=TINY_TYPES, arch: str = "llama") -> LoadedModel:
         w = params[hf].detach().numpy()
         stored = llama_cpp_permute(w, heads) if heads else w
         kind = GGMLQuantizationType[qtype]
-        data = quantize(stored, kind) if qtype != "F16" else stored.astype(np.float16)
+        if qtype in K_QUANTS:  # weights of ~0.1: sub-scales to 63 (Q4_K) or 127 (Q6_K), codes to 15 or 31
+            seed = sum(map(ord, gguf_name))
+            data = random_blocks(qtype, *w.shape, seed=seed, scale=1e-4 if qtype == "Q4_K" else 3e-5).numpy()
+        else:
+            data = quantize(stored, kind) if qtype != "F16" else stored.astype(np.float16)
         writer.add_tensor(gguf_name, data, raw_dtype=kind)
         back = dequantize(data, kind).astype(np.float32).reshape(w.shape)
         if heads:

@@ -35,15 +35,15 @@ def scales_for(blocks: torch.Tensor, qtype: str, scaled: bool) -> torch.Tensor |
     return qk.block_scales(blocks, qtype) if scaled else None
 
 
-def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+def random_blocks(qtype: str, n: int, k: int, seed: int, scale: float = 0.05) -> torch.Tensor:
     """[n, k/block weights * block bytes] uint8: random codes (and 6-bit or int8 sub-scales),
-    random finite fp16 scales (and mins)."""
+    random finite fp16 scales (and mins) of standard deviation `scale`."""
     rng = np.random.default_rng(seed)
     t = qk.KERNEL_TYPES[qtype]
     raw = rng.integers(0, 256, size=(n, k // t.weights, t.bytes), dtype=np.uint8)
     num_halves = 2 if qtype in ("Q4_1", "Q4_K") else 1
     at = 208 if qtype == "Q6_K" else 0  # Q6_K keeps its d last
-    halves = (rng.standard_normal((n, k // t.weights, num_halves)) * 0.05).astype(np.float16)
+    halves = (rng.standard_normal((n, k // t.weights, num_halves)) * scale).astype(np.float16)
     raw[:, :, at : at + 2 * num_halves] = halves.view(np.uint8).reshape(n, k // t.weights, 2 * num_halves)
     return torch.from_numpy(raw.reshape(n, -1))
 

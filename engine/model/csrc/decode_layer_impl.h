@@ -17,40 +17,69 @@
 // own kernel (at::silu_out), then one rounded multiply by u. Only the order of the additions in
 // the norm's mean and in the products differs from the op-by-op path.
 
-// A projection: GGUF blocks for our kernel, as the Python QuantLinear holds them, or (qtype
-// DENSE) the oneDNN-prepacked fp32 weight a Linear holds, multiplied by oneDNN.
+// A projection: GGUF blocks for our kernel, as the Python QuantLinear holds them (one part), or
+// stacked by output rows from parts of different block types (QuantLinearStack: a Q4_K_M file's
+// q/k/v, Q4_K q and k with a Q6_K v); or (DENSE) the oneDNN-prepacked fp32 weight a Linear
+// holds, multiplied by oneDNN.
 constexpr int64_t DENSE = -1;
+constexpr int MAX_PARTS = 3;  // q, k and v
 
-struct Proj {
+struct Part {  // some of a projection's output rows, GGUF blocks of one type
   const uint8_t* blocks;
-  int64_t N, row_bytes, K;
+  int64_t N, row_bytes;
   int qtype;
-  const float* bias;    // [N] or nullptr
   const float* scales;  // [N, K/32, 2] fp32 scale pairs (Q4, Q5_0, k-quants) or nullptr
-  at::Tensor packed;    // DENSE: the prepacked weight [N, K]
-  c10::optional<at::Tensor> dense_bias;  // DENSE: the bias, which oneDNN adds
 };
 
-Proj proj_of(const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa,
-             const c10::optional<at::Tensor>& scales) {
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
-                "stepwise_gguf: a bias must be contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+struct Proj {
+  int64_t N = 0, K = 0;
+  int num_parts = 0;
+  Part parts[MAX_PARTS];
+  const float* bias = nullptr;           // [N] or nullptr (blocks: we add it)
+  at::Tensor packed;                     // DENSE: the prepacked weight [N, K]
+  c10::optional<at::Tensor> dense_bias;  // DENSE: the bias, which oneDNN adds
+  bool dense() const { return packed.defined(); }
+};
+
+// Appends weight (of ggml type qtype, or DENSE) as p's next rows.
+void add_part(Proj& p, const at::Tensor& weight, int64_t qtype, int64_t isa, const c10::optional<at::Tensor>& scales) {
   if (qtype == DENSE) {
+    TORCH_CHECK(p.num_parts == 0, "stepwise_gguf: a dense projection is one prepacked weight, not stacked with others");
     TORCH_CHECK(weight.is_mkldnn() && weight.scalar_type() == at::kFloat && weight.dim() == 2 && !scales.has_value(),
                 "stepwise_gguf: a dense projection must be a oneDNN-prepacked float32 [N, K] weight, without scales");
-    return Proj{nullptr, weight.size(0), 0, weight.size(1), int(DENSE), nullptr, nullptr, weight, bias};
+    p.packed = weight;
+    p.N = weight.size(0), p.K = weight.size(1), p.num_parts = 1;
+    return;
   }
   TORCH_CHECK(known_type(qtype), "stepwise_gguf: unsupported ggml type ", qtype);
+  TORCH_CHECK(!p.dense() && p.num_parts < MAX_PARTS, "stepwise_gguf: a projection stacks at most ", MAX_PARTS,
+              " parts of GGUF blocks");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % block_bytes(int(qtype)) == 0,
               "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
   const int64_t K = weight.size(1) / block_bytes(int(qtype)) * block_weights(int(qtype));
+  TORCH_CHECK(p.num_parts == 0 || K == p.K, "stepwise_gguf: stacked parts must share K (", p.K, " and ", K, ")");
   check_blocks(weight, qtype, K, isa);
-  return Proj{weight.data_ptr<uint8_t>(), weight.size(0), weight.size(1), K, int(qtype), b,
-              check_scales(scales, qtype, weight.size(0), K), {}, {}};
+  p.parts[p.num_parts++] = Part{weight.data_ptr<uint8_t>(), weight.size(0), weight.size(1), int(qtype),
+                                check_scales(scales, qtype, weight.size(0), K)};
+  p.N += weight.size(0), p.K = K;
+}
+
+void set_bias(Proj& p, const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == p.N,
+              "stepwise_gguf: a bias must be contiguous float32 [N]");
+  if (p.dense())
+    p.dense_bias = bias;
+  else
+    p.bias = bias->data_ptr<float>();
+}
+
+Proj proj_of(const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias, int64_t isa,
+             const c10::optional<at::Tensor>& scales) {
+  Proj p;
+  add_part(p, weight, qtype, isa, scales);
+  set_bias(p, bias);
+  return p;
 }
 
 // Rows per thread below which an elementwise pass over T rows of `width` values stays on the
@@ -74,7 +103,7 @@ struct Out {
 
 // out[T, N] = x[T, K] . W^T (+ bias): our kernel on GGUF blocks, or oneDNN on the dense copy.
 void project(const Proj& p, const float* x, int64_t ldx, int64_t T, int64_t isa, Out& out) {
-  if (p.qtype == DENSE) {
+  if (p.dense()) {
     static const auto linear =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -86,7 +115,10 @@ void project(const Proj& p, const float* x, int64_t ldx, int64_t T, int64_t isa,
     return;
   }
   float* o = out.take(T * p.N);
-  run_matmul(Job{x, ldx, T, p.blocks, p.N, p.row_bytes, p.K, o, p.N, p.qtype, p.scales}, isa);
+  for (int64_t i = 0, col = 0; i < p.num_parts; col += p.parts[i++].N) {  // each part into its columns of o
+    const Part& q = p.parts[i];
+    run_matmul(Job{x, ldx, T, q.blocks, q.N, q.row_bytes, p.K, o + col, p.N, q.qtype, q.scales}, isa);
+  }
   if (p.bias)
     at::parallel_for(0, T, grain(p.N), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
@@ -247,21 +279,23 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 }
 
 // Every layer of a step in one call, with the CPU attention kernel (stepwise_cpu::paged_attention,
-// engine/attention/csrc) between the halves. Per layer l, weights[6 l ..] = input norm, qkv, o,
-// post-attention norm, gate/up, down (each projection GGUF blocks, or a prepacked weight whose
-// type is DENSE); types[4 l ..] and biases[4 l ..] = those of qkv, o, gate/up, down; cos/sin[l] =
-// the layer's rotary rows [T, R]; scale/window/softcap[l] = its attention; block_scales[4 l ..] =
-// the projections' fp32 scale pairs (or None); extra_norms[4 l ..] = the layer's q norm, k norm,
-// norm of the attention output and norm of the MLP output (each None where the family has none;
-// Gemma's as 1 + w), and activation 0 = SwiGLU, 1 = GeGLU (tanh).
+// engine/attention/csrc) between the halves. Per layer l, norms[2 l ..] = input norm,
+// post-attention norm; parts[4 l ..] = how many weights each of qkv, o, gate/up, down stacks
+// (one, or up to MAX_PARTS of GGUF blocks whose types differ); weights, types and block_scales =
+// those weights in that order, each GGUF blocks with its ggml type and fp32 scale pairs (or
+// None), or a prepacked weight of type DENSE (alone in its projection); biases[4 l ..] = the
+// four projections' biases; cos/sin[l] = the layer's rotary rows [T, R]; scale/window/softcap[l]
+// = its attention; extra_norms[4 l ..] = the layer's q norm, k norm, norm of the attention output
+// and norm of the MLP output (each None where the family has none; Gemma's as 1 + w), and
+// activation 0 = SwiGLU, 1 = GeGLU (tanh).
 // kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables as the attention
 // kernel takes them (CpuPlan).
-void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
-            const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos, at::TensorList sin, int64_t heads,
-            int64_t kv_heads, int64_t head_dim, double eps, int64_t isa, const at::Tensor& kv,
-            const at::Tensor& slot_mapping, const at::Tensor& tiles, const at::Tensor& block_tables,
-            at::ArrayRef<double> scale, at::IntArrayRef window, at::ArrayRef<double> softcap,
-            const c10::List<c10::optional<at::Tensor>>& block_scales,
+void layers(const at::Tensor& h, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
+            at::IntArrayRef parts, const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos,
+            at::TensorList sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t isa,
+            const at::Tensor& kv, const at::Tensor& slot_mapping, const at::Tensor& tiles,
+            const at::Tensor& block_tables, at::ArrayRef<double> scale, at::IntArrayRef window,
+            at::ArrayRef<double> softcap, const c10::List<c10::optional<at::Tensor>>& block_scales,
             const c10::List<c10::optional<at::Tensor>>& extra_norms, int64_t activation) {
   static const auto attention =
       c10::Dispatcher::singleton()
@@ -270,11 +304,18 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                       double)>();
   const int64_t L = kv.size(0), T = h.size(0), E = h.size(1), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-  TORCH_CHECK(int64_t(weights.size()) == 6 * L && int64_t(types.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
-                  int64_t(block_scales.size()) == 4 * L && int64_t(extra_norms.size()) == 4 * L &&
-                  int64_t(cos.size()) == L && int64_t(sin.size()) == L && int64_t(scale.size()) == L &&
-                  int64_t(window.size()) == L && int64_t(softcap.size()) == L,
-              "stepwise_gguf.layers: per-layer lists must hold 6/4/4/4/4/1 entries for each of the ", L, " layers");
+  TORCH_CHECK(int64_t(norms.size()) == 2 * L && int64_t(parts.size()) == 4 * L && int64_t(biases.size()) == 4 * L &&
+                  int64_t(extra_norms.size()) == 4 * L && int64_t(cos.size()) == L && int64_t(sin.size()) == L &&
+                  int64_t(scale.size()) == L && int64_t(window.size()) == L && int64_t(softcap.size()) == L,
+              "stepwise_gguf.layers: per-layer lists must hold 2/4/4/4/1 entries for each of the ", L, " layers");
+  int64_t num_weights = 0;
+  for (int64_t n : parts) {
+    TORCH_CHECK(n >= 1 && n <= MAX_PARTS, "stepwise_gguf.layers: a projection stacks 1 to ", MAX_PARTS, " weights");
+    num_weights += n;
+  }
+  TORCH_CHECK(int64_t(weights.size()) == num_weights && int64_t(types.size()) == num_weights &&
+                  int64_t(block_scales.size()) == num_weights,
+              "stepwise_gguf.layers: weights, types and block_scales must hold one entry per part (", num_weights, ")");
   TORCH_CHECK(activation == 0 || activation == 1, "stepwise_gguf.layers: activation must be 0 (SwiGLU) or 1 (GeGLU)");
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
                   kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
@@ -283,12 +324,16 @@ void layers(const at::Tensor& h, at::TensorList weights, at::IntArrayRef types,
   Scratch sc;
   at::Tensor q, k, v;
   const float* viewed = nullptr;  // the qkv buffer q/k/v view (oneDNN returns a new one every layer)
+  int64_t next = 0;               // the next projection's first weight
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor *w = &weights[6 * l], *norm1 = w, *norm2 = w + 3;
-    const auto proj = [&](int i, const at::Tensor& blocks) {
-      return proj_of(blocks, types[4 * l + i], biases.get(4 * l + i), isa, block_scales.get(4 * l + i));
+    const at::Tensor *norm1 = &norms[2 * l], *norm2 = &norms[2 * l + 1];
+    const auto proj = [&](int i) {
+      Proj p;
+      for (int64_t j = 0; j < parts[4 * l + i]; ++j, ++next) add_part(p, weights[next], types[next], isa, block_scales.get(next));
+      set_bias(p, biases.get(4 * l + i));
+      return p;
     };
-    const Proj pqkv = proj(0, w[1]), o = proj(1, w[2]), gu = proj(2, w[4]), down = proj(3, w[5]);
+    const Proj pqkv = proj(0), o = proj(1), gu = proj(2), down = proj(3);
     TORCH_CHECK(pqkv.K == E && pqkv.N == q_size + 2 * kv_size && norm1->numel() == E && norm2->numel() == E &&
                     norm1->scalar_type() == at::kFloat && norm2->scalar_type() == at::kFloat && norm1->is_contiguous() &&
                     norm2->is_contiguous(), "stepwise_gguf.layers: layer ", l, "'s qkv projection or norms do not fit h");

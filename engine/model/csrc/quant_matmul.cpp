@@ -282,10 +282,10 @@ TORCH_LIBRARY(stepwise_gguf, m) {
   m.def("attn_out_mlp(Tensor(a!) h, Tensor attn, Tensor o_blocks, int o_qtype, Tensor? o_bias, Tensor norm_w, "
         "float eps, Tensor gu_blocks, int gu_qtype, Tensor? gu_bias, Tensor down_blocks, int down_qtype, "
         "Tensor? down_bias, int isa, Tensor?[] scales) -> ()");
-  m.def("layers(Tensor(a!) h, Tensor[] weights, int[] types, Tensor?[] biases, Tensor[] cos, Tensor[] sin, int heads, "
-        "int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, Tensor slot_mapping, Tensor tiles, "
-        "Tensor block_tables, float[] scale, int[] window, float[] softcap, Tensor?[] block_scales, Tensor?[] extra_norms, "
-        "int activation) -> ()");
+  m.def("layers(Tensor(a!) h, Tensor[] norms, Tensor[] weights, int[] types, int[] parts, Tensor?[] biases, "
+        "Tensor[] cos, Tensor[] sin, int heads, int kv_heads, int head_dim, float eps, int isa, Tensor(b!) kv, "
+        "Tensor slot_mapping, Tensor tiles, Tensor block_tables, float[] scale, int[] window, float[] softcap, "
+        "Tensor?[] block_scales, Tensor?[] extra_norms, int activation) -> ()");
   m.impl("attn_in", c10::DispatchKey::CPU, TORCH_FN(attn_in));
   m.impl("layers", c10::DispatchKey::CPU, TORCH_FN(layers));
   m.impl("layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(layers));  // dense weights are oneDNN tensors
