@@ -27,4 +27,5 @@ class Embedding:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, E], a new tensor
         if self.table is not None:
             return self.table[input_ids]
-        return quant_kernel.dequantize(self.blocks.blocks[input_ids], self.blocks.qtype)
+        w = self.blocks
+        return quant_kernel.dequantize(w.blocks[input_ids], w.qtype, scales=None if w.scales is None else w.scales[input_ids])

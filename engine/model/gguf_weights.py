@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.quant_kernel import KERNEL_TYPES
+from engine.model.quant_kernel import GGUF_TYPES, KERNEL_TYPES, repack
 
 # GGUF tensor name (per layer: blk.{i}.<name>) -> transformers parameter name
 _LAYER_NAMES = {
@@ -47,6 +47,7 @@ class QuantWeight:
     blocks: torch.Tensor  # [N, K/block weights * block bytes] uint8
     qtype: str  # a quant_kernel.KERNEL_TYPES name
     gguf_name: str
+    scales: torch.Tensor | None = None  # [N, K/32, 2] fp32 (quant_kernel.block_scales): repacked k-quants'
 
     @property
     def num_rows(self) -> int:
@@ -96,8 +97,9 @@ def rope_unpermute(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).reshape(num_heads, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int, types=KERNEL_TYPES) -> GgufWeights:
-    """`types`: the block types to keep as blocks (the fp32 kernel's by default); others are `other`."""
+def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int, types=GGUF_TYPES) -> GgufWeights:
+    """`types`: the block types to keep as blocks (the fp32 kernel's by default); others are
+    `other`. The k-quants come repacked (quant_kernel.repack), with their scales."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -117,7 +119,8 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int, types=KERNE
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
             blocks = blocks[rope_unpermute(blocks.shape[0], heads)].contiguous()
-        runnable[name] = QuantWeight(blocks, qtype, t.name)
+        blocks, qtype, scales = repack(blocks, qtype)
+        runnable[name] = QuantWeight(blocks, qtype, t.name, scales)
     if "lm_head.weight" not in runnable and "lm_head.weight" not in other:  # tied to the embedding
         if "model.embed_tokens.weight" in runnable:
             runnable["lm_head.weight"] = runnable["model.embed_tokens.weight"]

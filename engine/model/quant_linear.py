@@ -35,8 +35,13 @@ class QuantLinear:
             raise ValueError(f"cannot fuse GGUF weights of different types: {[(p.gguf_name, p.qtype) for p in parts]}")
         self.qtype = parts[0].qtype
         self.blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks  # [N, bytes]
-        # [N, K/32, 2] fp32 (Q4) or None; the int8 kernel reads the blocks' own fp16 scales
-        self.scales = None if int8_activations else quant_kernel.block_scales(self.blocks, self.qtype)
+        # [N, K/32, 2] fp32 (all but Q8_0) or None; the int8 kernel reads the blocks' own fp16 scales
+        if int8_activations:
+            self.scales = None
+        elif parts[0].scales is not None:  # repacked k-quants: their blocks hold no scales
+            self.scales = torch.cat([p.scales for p in parts]) if len(parts) > 1 else parts[0].scales
+        else:
+            self.scales = quant_kernel.block_scales(self.blocks, self.qtype)
         self.bias = bias
         self.dense = dense  # None: every step runs the kernel
         self.isa = isa or quant_kernel.best_isa()
@@ -95,7 +100,7 @@ def native_weights(hf_model, gguf: Path | None, weight_format: str, device: torc
                          f"(got {device.type}, {dtype}, linear_backend {linear!r})")
     quant_kernel.require_kernel()
     cfg = hf_model.config
-    types = quant_kernel.Q8_TYPES if weight_format == "gguf-q8" else quant_kernel.KERNEL_TYPES
+    types = quant_kernel.Q8_TYPES if weight_format == "gguf-q8" else quant_kernel.GGUF_TYPES
     try:
         found = read_gguf_weights(gguf, cfg.num_attention_heads, cfg.num_key_value_heads, types)
     except UnsupportedArchitecture as e:

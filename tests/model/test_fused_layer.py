@@ -172,7 +172,7 @@ def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_pat
     loaded = write_tiny_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M, model=hf)
     model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf")
     fused = model.fused
-    assert [p.qtype for p in model.layers[0].qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert [p.qtype for p in model.layers[0].qkv.parts] == ["U4", "U4", "I8"]  # repacked Q4_K, Q4_K, Q6_K
     assert fused.kernel.parts == [3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
     assert fused.dense.parts == [1] * 8 and set(fused.dense.types) == {DENSE}
     calls = []

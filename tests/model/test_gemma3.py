@@ -116,14 +116,15 @@ def test_every_weight_runs_natively_bit_equal_to_transformers(gemma):
     found = read_gguf_weights(gemma.gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
     params = dict(gemma.hf_model.named_parameters(remove_duplicate=False))
     assert not found.other and len(found.runnable) == 18 * 7 + 2  # projections, embedding, tied head
-    assert {w.qtype for w in found.runnable.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}  # Q4_K_M's mix
+    # Q4_K_M's mix, the k-quants repacked (Q4_K as U4, Q6_K as I8) with their scales
+    assert {w.qtype for w in found.runnable.values()} == {"Q5_0", "Q8_0", "U4", "I8"}
     for name, w in found.runnable.items():
-        assert torch.equal(quant_kernel.dequantize(w.blocks, w.qtype), params[name].detach()), name
+        assert torch.equal(quant_kernel.dequantize(w.blocks, w.qtype, scales=w.scales), params[name].detach()), name
     ours = LlamaModel(gemma.hf_model, backends()[-1], gguf=gemma.gguf)  # weight_format "auto"
     assert ours.weight_format == "gguf" and ours.embed.blocks is not None and ours.lm_head.qtype == "Q8_0"
     layers = ours.layers
-    assert {(w.o.qtype, w.gate_up.qtype) for w in layers} == {("Q4_K", "Q5_0")}
-    assert {w.down.qtype for w in layers} == {"Q4_K", "Q6_K"}
+    assert {(w.o.qtype, w.gate_up.qtype) for w in layers} == {("U4", "Q5_0")}
+    assert {w.down.qtype for w in layers} == {"U4", "I8"}
     # v is Q5_0 in half the layers and Q8_0 in the others: there q and k run as Q8_0 (exactly)
     assert [w.qkv.qtype for w in layers].count("Q5_0") == 9 and [w.qkv.qtype for w in layers].count("Q8_0") == 9
     # the whole layer loop runs in C++ (Gemma's extra norms and GeGLU), on the blocks for few rows

@@ -1,7 +1,8 @@
 """The GGUF block kernel: its dequantization equals the gguf package's bit for bit, and its
 matmul equals dequantize-then-F.linear (~1e-5) on every code path this CPU can run, from the
 blocks' own fp16 scales and from their fp32 copies (block_scales) alike; Q5_0 and the k-quants
-Q4_K, Q6_K (256-weight super-blocks) from their fp32 scales."""
+Q4_K, Q6_K (256-weight super-blocks) from their fp32 scales, as stored and as models keep them
+(repack: U4, I8)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,35 @@ def test_k_quant_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows
     want = F.linear(x, reference_dequantize(blocks, qtype))
     got = qk.matmul(x, blocks, qtype, isa, qk.block_scales(blocks, qtype))
     assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+# The forms models run the k-quants in (repack): every weight still gguf's, on every path.
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_repacked_k_quants_dequantize_to_ggufs_weights(qtype: str, isa: str):
+    blocks = random_blocks(qtype, 37, 768, seed=4)
+    packed, packed_type, scales = qk.repack(blocks, qtype)
+    assert packed_type == qk.REPACKED[qtype] and packed.shape == (37, 768 // 32 * qk.KERNEL_TYPES[packed_type].bytes)
+    assert torch.equal(scales, qk.block_scales(blocks, qtype))
+    torch.testing.assert_close(qk.dequantize(packed, packed_type, isa, scales), reference_dequantize(blocks, qtype),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="codes only"):
+        qk.block_scales(packed, packed_type)
+    with pytest.raises(RuntimeError, match="run only with their fp32 scales"):
+        torch.ops.stepwise_gguf.dequantize(packed, qk.KERNEL_TYPES[packed_type].id, 768, 0, torch.empty(37, 768), None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("rows,n,k", [(1, 33, 256), (2, 50, 768), (3, 17, 512), (7, 70, 256), (20, 53, 768),
+                                      (161, 19, 512)])
+def test_repacked_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int):
+    blocks = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = F.linear(x, reference_dequantize(blocks, qtype))
+    packed, packed_type, scales = qk.repack(blocks, qtype)
+    got = qk.matmul(x, packed, packed_type, isa, scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 

@@ -7,7 +7,9 @@
 // Block layouts (32 weights each, ggml's): Q4_0 = fp16 d, 16 bytes of nibbles, w = (q - 8) d;
 // Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles, w = q d + m; Q8_0 = fp16 d, 32 int8, w = q d.
 // Q5_0 and the k-quants Q4_K, Q6_K (256-weight super-blocks) run only with fp32 scales: their
-// layouts are at dequant_q5_0_scaled, dequant_q4_k_scaled and dequant_q6_k_scaled.
+// layouts are at dequant_q5_0_scaled, dequant_q4_k_scaled and dequant_q6_k_scaled. Models
+// repack the k-quants at load into U4 (Q4_K's nibbles, as Q4_0 orders them) and I8 (Q6_K's
+// codes as int8), which take fewer instructions per weight (dequant_q4_scaled, dequant_i8_scaled).
 // Nibble j of a block is the low half of byte j (weights 0..15), the high half is weight j+16.
 // Every product q*d is exact in fp32 (at most 8 + 11 significant bits), so whether the
 // compiler fuses "q*d + m" or not, a dequantized weight equals gguf's numpy dequantization.
@@ -106,10 +108,10 @@ inline void dequant_block(const uint8_t* b, vf* w) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// One Q4 block (QT = Q4_0 or Q4_1) with its fp32 scale pair s -> w[0..NV-1], in order.
+// One Q4 block (QT = Q4_0, Q4_1, or U4: the nibbles alone) with its fp32 scale pair s -> w[0..NV-1], in order.
 template <int QT>
 inline void dequant_q4_scaled(const uint8_t* b, const float* s, vf* w) {
-  const uint8_t* q = b + (QT == Q4_1 ? 4 : 2);
+  const uint8_t* q = b + (QT == Q4_1 ? 4 : QT == Q4_0 ? 2 : 0);
 #if STEPWISE_SW == 16
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));  // byte j: weights j, j + 16
   const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
@@ -130,6 +132,24 @@ inline void dequant_q4_scaled(const uint8_t* b, const float* s, vf* w) {
     tmp[j] = float(q[j] & 15) * s[0] + s[1];
     tmp[j + 16] = float(q[j] >> 4) * s[0] + s[1];
   }
+  std::memcpy(w, tmp, sizeof tmp);
+#endif
+}
+
+// 32 I8 codes with the scales of their two 16-weight halves s -> w[0..NV-1]: w = c s, exact
+// (c has 6 significant bits, s = d sc at most 19), as Q6_K's (q - 32) d sc.
+inline void dequant_i8_scaled(const uint8_t* b, const float* s, vf* w) {
+#if STEPWISE_SW == 16
+  for (int h = 0; h < 2; ++h)
+    w[h] = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 * h)))),
+                             _mm512_set1_ps(s[h]));
+#elif STEPWISE_SW == 8
+  for (int h = 0; h < 4; ++h)
+    w[h] = (vf)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8 * h)))),
+                             _mm256_set1_ps(s[h >> 1]));
+#else
+  float tmp[32];
+  for (int i = 0; i < 32; ++i) tmp[i] = float(int8_t(b[i])) * s[i >> 4];
   std::memcpy(w, tmp, sizeof tmp);
 #endif
 }
@@ -246,7 +266,9 @@ inline void dequant_at(const uint8_t* blocks, int64_t row_bytes, const float* sc
     dequant_q6_k_scaled(row + (b >> 3) * block_bytes(QT), int(b & 7), scales + (n * nb + b) * 2, w);
   else if constexpr (QT == Q5_0)
     dequant_q5_0_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
-  else if constexpr (SCALED && QT != Q8_0)
+  else if constexpr (QT == I8)
+    dequant_i8_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
+  else if constexpr (QT == U4 || (SCALED && QT != Q8_0))
     dequant_q4_scaled<QT>(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
   else
     dequant_block<QT>(row + b * block_bytes(QT), w);
@@ -441,6 +463,8 @@ inline void matmul(const Job& a, int64_t n0, int64_t n1, float* scratch) {
     case Q5_0: return matmul_rows<Q5_0>(a, n0, n1, scratch);
     case Q4_K: return matmul_rows<Q4_K>(a, n0, n1, scratch);
     case Q6_K: return matmul_rows<Q6_K>(a, n0, n1, scratch);
+    case U4: return matmul_rows<U4>(a, n0, n1, scratch);
+    case I8: return matmul_rows<I8>(a, n0, n1, scratch);
     default: return matmul_rows<Q8_0>(a, n0, n1, scratch);
   }
 }
@@ -452,6 +476,8 @@ inline void dequant(const Job& a, int64_t n0, int64_t n1) {
     case Q5_0: return dequant_rows<Q5_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case Q4_K: return dequant_rows<Q4_K>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case Q6_K: return dequant_rows<Q6_K>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
+    case U4: return dequant_rows<U4>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
+    case I8: return dequant_rows<I8>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     default: return dequant_rows<Q8_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
   }
 }
