@@ -41,12 +41,14 @@ class QType(NamedTuple):
 
 
 KERNEL_TYPES = {"Q4_0": QType(2, 18, 32), "Q4_1": QType(3, 20, 32), "Q5_0": QType(6, 22, 32),
-                "Q8_0": QType(8, 34, 32), "Q4_K": QType(12, 144, 256), "Q6_K": QType(14, 210, 256),
-                "U4": QType(100, 16, 32), "I8": QType(101, 32, 32)}  # the last two: ours (repack)
-GGUF_TYPES = tuple(t for t in KERNEL_TYPES if t not in ("U4", "I8"))  # the ones a GGUF file holds
+                "Q8_0": QType(8, 34, 32), "Q4_K": QType(12, 144, 256), "Q5_K": QType(13, 176, 256),
+                "Q6_K": QType(14, 210, 256),
+                "U4": QType(100, 16, 32), "I8": QType(101, 32, 32), "U8": QType(102, 32, 32)}  # ours (repack)
+REPACKED = {"Q4_K": "U4", "Q5_K": "U8", "Q6_K": "I8"}  # what repack makes of a type
+REPACKED_ONLY = ("Q5_K",)  # the C++ kernel runs only its repacked form (matmul / dequantize repack it first)
+GGUF_TYPES = tuple(t for t in KERNEL_TYPES if t not in REPACKED.values())  # the ones a GGUF file holds
 Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what matmul_q8 runs
-SCALES_ONLY = ("Q5_0", "Q4_K", "Q6_K", "U4", "I8")  # run only with their scales (GGUF types': made when a caller has none)
-REPACKED = {"Q4_K": "U4", "Q6_K": "I8"}  # what repack makes of a type
+SCALES_ONLY = ("Q5_0", "Q4_K", "Q5_K", "Q6_K", "U4", "I8", "U8")  # run only with their scales (GGUF types': made when a caller has none)
 BLOCK = 32  # weights per scale pair (block_scales) and per int8 activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
@@ -93,12 +95,16 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
     """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
     scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
     (and which Q5_0, Q4_K and Q6_K need: made here when not given)."""
+    if qtype in REPACKED_ONLY:
+        blocks, qtype, scales = repack(blocks, qtype)
     return _product("matmul", x, blocks, qtype, isa, _needed_scales(blocks, qtype, scales))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
     """blocks: [N, K/block weights * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
+    if qtype in REPACKED_ONLY:
+        blocks, qtype, scales = repack(blocks, qtype)
     t = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // t.bytes * t.weights
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
@@ -119,14 +125,20 @@ def repack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str, torch.T
     16 bytes, no header: dequantized as Q4_1 with fp32 pairs (~1.35x faster at one row than
     Q4_K's, whose slices take every other nibble). Q6_K -> I8: the codes q - 32 as int8, one byte
     a weight instead of 0.82, dequantized as Q8_0 with a scale per 16 (~2.2x faster than
-    assembling 4 + 2 bits). Every weight stays what gguf's dequantize makes of the file."""
+    assembling 4 + 2 bits). Q5_K -> U8: its 5-bit codes a byte each, with Q4_K's pairs (the
+    only form the kernel runs it in). Every weight stays what gguf's dequantize makes of the file."""
     if qtype not in REPACKED:
         return blocks, qtype, None
     scales, n = block_scales(blocks, qtype), blocks.shape[0]
-    if qtype == "Q4_K":
-        qs = blocks.view(n, -1, 144)[..., 16:].reshape(n, -1, 4, 32)  # chunk c: slice 2c low nibbles, 2c + 1 high
+    if qtype in ("Q4_K", "Q5_K"):  # the fp16 d, dmin and 12 bytes of scales, [Q5_K: 32 bytes of fifth bits,] nibbles
+        b = blocks.view(n, -1, KERNEL_TYPES[qtype].bytes)
+        qs = b[..., -128:].reshape(n, -1, 4, 32)  # chunk c: slice 2c low nibbles, 2c + 1 high
         codes = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, -1, 32)  # [N, K/32, 32], slices in order
-        return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, -1).contiguous(), "U4", scales
+        if qtype == "Q4_K":
+            return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, -1).contiguous(), "U4", scales
+        qh = b[..., 16:48].reshape(n, -1, 1, 32)  # bit j of byte l: weight l of the super-block's slice j
+        fifth = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [N, S, 8, 32]
+        return (codes.view(n, -1, 8, 32) | (fifth << 4)).reshape(n, -1).contiguous(), "U8", scales
     b = blocks.view(n, -1, 210)  # Q6_K, per 128 weights: 64 bytes of 4-bit low parts, 32 of 2-bit high parts
     ql = b[..., :128].reshape(n, -1, 2, 2, 32)  # [N, S, half, bytes l or l + 32, l]
     qh = b[..., 128:192].reshape(n, -1, 2, 32)  # [N, S, half, l]: 4 weights' high parts a byte
@@ -152,7 +164,7 @@ def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:
     def half(lo: int) -> torch.Tensor:  # [N, blocks, 1] fp16 at byte lo, as fp32 (exact)
         return b[..., lo : lo + 2].contiguous().view(torch.float16).float()
 
-    if qtype == "Q4_K":  # 8 six-bit scales and mins in 12 bytes (gguf's Q4_K.get_scale_min)
+    if qtype in ("Q4_K", "Q5_K"):  # 8 six-bit scales and mins in 12 bytes (gguf's Q4_K.get_scale_min)
         s = b[..., 4:16].to(torch.int32)
         lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
         sc = torch.cat([lo & 63, (top & 15) | ((lo >> 2) & 48)], dim=-1)  # [N, blocks, 8]

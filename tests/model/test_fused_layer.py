@@ -158,21 +158,27 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
         assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
-# a Q4_K_M file's layer: q/k Q4_K with a Q6_K v, which share no exact block type
-Q4_K_M = {"self_attn.q_proj": ("attn_q", "Q4_K"), "self_attn.k_proj": ("attn_k", "Q4_K"),
-          "self_attn.v_proj": ("attn_v", "Q6_K"), "self_attn.o_proj": ("attn_output", "Q8_0"),
-          "mlp.gate_proj": ("ffn_gate", "Q4_K"), "mlp.up_proj": ("ffn_up", "Q4_K"), "mlp.down_proj": ("ffn_down", "Q6_K")}
+def k_quant_layer(qk_type: str) -> dict:
+    """A Q4_K_M (qk_type Q4_K) or Q5_K_M (Q5_K) file's layer: q/k/gate/up of that type, v and
+    down Q6_K, which share no exact block type with it."""
+    return {"self_attn.q_proj": ("attn_q", qk_type), "self_attn.k_proj": ("attn_k", qk_type),
+            "self_attn.v_proj": ("attn_v", "Q6_K"), "self_attn.o_proj": ("attn_output", "Q8_0"),
+            "mlp.gate_proj": ("ffn_gate", qk_type), "mlp.up_proj": ("ffn_up", qk_type),
+            "mlp.down_proj": ("ffn_down", "Q6_K")}
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
-def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_path):
+@pytest.mark.parametrize("qk_type", ["Q4_K", "Q5_K"])
+def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_path, qk_type):
     """Its parts fill their own columns of qkv in the C++ loop's kernel steps (before, such a
     projection ran its fp32 dense copy there), with op-by-op logits and transformers' text."""
     hf = tiny_llama(hidden_size=256, intermediate_size=512)  # k-quants need K a multiple of 256
-    loaded = write_tiny_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M, model=hf)
+    loaded = write_tiny_gguf(tmp_path / "k_m.gguf", k_quant_layer(qk_type), model=hf)
     model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf")
     fused = model.fused
-    assert [p.qtype for p in model.layers[0].qkv.parts] == ["U4", "U4", "I8"]  # repacked Q4_K, Q4_K, Q6_K
+    packed = qk.REPACKED[qk_type]  # U4 or U8; Q6_K as I8
+    assert [p.qtype for p in model.layers[0].qkv.parts] == [packed, packed, "I8"]
+    assert model.layers[0].gate_up.qtype == packed and model.layers[0].down.qtype == "I8"
     assert fused.kernel.parts == [3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
     assert fused.dense.parts == [1] * 8 and set(fused.dense.types) == {DENSE}
     calls = []

@@ -38,11 +38,12 @@ namespace {
 
 // ggml's type ids
 constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
-// Ours (engine/model/gguf_weights.py, repack): the k-quants' codes laid out for the cheapest
+// Ours (engine/model/quant_kernel.py, repack): the k-quants' codes laid out for the cheapest
 // dequantization, with their exact fp32 scales. U4: 16 bytes of nibbles per 32 weights as Q4_0
 // lays them out, no header, w = q s0 + s1 (Q4_K's pairs); I8: 32 int8 codes q - 32 per 32
-// weights, w = c s, a scale per 16 (Q6_K's).
-constexpr int U4 = 100, I8 = 101;
+// weights, w = c s, a scale per 16 (Q6_K's); U8: 32 uint8 codes per 32 weights, w = q s0 + s1
+// (Q5_K's pairs; Q5_K runs only so).
+constexpr int U4 = 100, I8 = 101, U8 = 102;
 constexpr int PANEL = 24;  // weight rows dequantized at a time (24 x K fp32: 54 KiB at K = 576), 4 x 6
 constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see direct())
 constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
@@ -53,11 +54,11 @@ constexpr bool k_quant(int qt) { return qt == Q4_K || qt == Q6_K; }
 constexpr int64_t block_weights(int qt) { return k_quant(qt) ? 256 : 32; }
 constexpr int64_t block_bytes(int qt) {
   return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : qt == Q5_0 ? 22 : qt == Q8_0 ? 34 : qt == Q4_K ? 144 : qt == Q6_K ? 210
-       : qt == U4   ? 16 : 32;
+       : qt == U4   ? 16 : 32;  // I8, U8
 }
 // The types whose weights the kernel takes only through their fp32 scale pairs (Job::scales):
-// Q5_0 (d, -16 d), Q4_K and U4 (d sc, -dmin m) per 32 weights, Q6_K and I8 (d sc) per 16, two to a 32.
-constexpr bool scales_only(int qt) { return qt == Q5_0 || k_quant(qt) || qt == U4 || qt == I8; }
+// Q5_0 (d, -16 d), Q4_K, U4 and U8 (d sc, -dmin m) per 32 weights, Q6_K and I8 (d sc) per 16, two to a 32.
+constexpr bool scales_only(int qt) { return qt == Q5_0 || k_quant(qt) || qt == U4 || qt == I8 || qt == U8; }
 bool known_type(int64_t qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0 || scales_only(int(qt)); }
 // columns of x packed k-major (matmul_rows): T rounded up to 16, a whole number of vectors on every path
 constexpr int64_t packed_rows(int64_t T) { return (T + 15) / 16 * 16; }
@@ -135,7 +136,7 @@ constexpr int SW = 16;
 
 void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa) {
   TORCH_CHECK(known_type(qtype), "stepwise_gguf: unsupported ggml type ", qtype,
-              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, U4 = 100, I8 = 101)");
+              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, U4 = 100, I8 = 101, U8 = 102)");
   const int64_t bw = block_weights(int(qtype));
   TORCH_CHECK(K > 0 && K % bw == 0, "stepwise_gguf: K = ", K, " is not a multiple of the block size ", bw);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&

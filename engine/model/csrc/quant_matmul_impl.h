@@ -8,8 +8,9 @@
 // Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles, w = q d + m; Q8_0 = fp16 d, 32 int8, w = q d.
 // Q5_0 and the k-quants Q4_K, Q6_K (256-weight super-blocks) run only with fp32 scales: their
 // layouts are at dequant_q5_0_scaled, dequant_q4_k_scaled and dequant_q6_k_scaled. Models
-// repack the k-quants at load into U4 (Q4_K's nibbles, as Q4_0 orders them) and I8 (Q6_K's
-// codes as int8), which take fewer instructions per weight (dequant_q4_scaled, dequant_i8_scaled).
+// repack the k-quants at load into U4 (Q4_K's nibbles, as Q4_0 orders them), I8 (Q6_K's codes
+// as int8) and U8 (Q5_K's codes, which run only so), which take fewer instructions per weight
+// (dequant_q4_scaled, dequant_i8_scaled, dequant_u8_scaled).
 // Nibble j of a block is the low half of byte j (weights 0..15), the high half is weight j+16.
 // Every product q*d is exact in fp32 (at most 8 + 11 significant bits), so whether the
 // compiler fuses "q*d + m" or not, a dequantized weight equals gguf's numpy dequantization.
@@ -154,6 +155,26 @@ inline void dequant_i8_scaled(const uint8_t* b, const float* s, vf* w) {
 #endif
 }
 
+// 32 U8 codes with their scale pair s -> w[0..NV-1]: w = q s0 + s1, one rounding of exact
+// terms, as Q5_K's (d sc) q - dmin m.
+inline void dequant_u8_scaled(const uint8_t* b, const float* s, vf* w) {
+#if STEPWISE_SW == 16
+  const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
+  for (int h = 0; h < 2; ++h)
+    w[h] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 * h)))),
+                               d, m);
+#elif STEPWISE_SW == 8
+  const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
+  for (int h = 0; h < 4; ++h)
+    w[h] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8 * h)))),
+                               d, m);
+#else
+  float tmp[32];
+  for (int i = 0; i < 32; ++i) tmp[i] = float(b[i]) * s[0] + s[1];
+  std::memcpy(w, tmp, sizeof tmp);
+#endif
+}
+
 // Shifts by a count known at run time, lane by lane the same.
 #if STEPWISE_SW == 16
 inline __m512i shr(__m512i v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
@@ -268,6 +289,8 @@ inline void dequant_at(const uint8_t* blocks, int64_t row_bytes, const float* sc
     dequant_q5_0_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
   else if constexpr (QT == I8)
     dequant_i8_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
+  else if constexpr (QT == U8)
+    dequant_u8_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
   else if constexpr (QT == U4 || (SCALED && QT != Q8_0))
     dequant_q4_scaled<QT>(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
   else
@@ -465,6 +488,7 @@ inline void matmul(const Job& a, int64_t n0, int64_t n1, float* scratch) {
     case Q6_K: return matmul_rows<Q6_K>(a, n0, n1, scratch);
     case U4: return matmul_rows<U4>(a, n0, n1, scratch);
     case I8: return matmul_rows<I8>(a, n0, n1, scratch);
+    case U8: return matmul_rows<U8>(a, n0, n1, scratch);
     default: return matmul_rows<Q8_0>(a, n0, n1, scratch);
   }
 }
@@ -478,6 +502,7 @@ inline void dequant(const Job& a, int64_t n0, int64_t n1) {
     case Q6_K: return dequant_rows<Q6_K>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case U4: return dequant_rows<U4>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case I8: return dequant_rows<I8>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
+    case U8: return dequant_rows<U8>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     default: return dequant_rows<Q8_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
   }
 }
