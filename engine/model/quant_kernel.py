@@ -1,5 +1,5 @@
 """The GGUF block kernel: y = x · dequant(W)ᵀ on Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks and the
-k-quants Q4_K / Q6_K (Q4_K_M files), in C++ (csrc/).
+k-quants Q4_K / Q5_K / Q6_K (Q4_K_M and Q5_K_M files), in C++ (csrc/).
 
 fp32 activations, weights dequantized inside the kernel (exactly as the gguf package does),
 fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
@@ -7,7 +7,8 @@ instead of 4 (fp32), plus 0.25 for each Q4 block's scale pair in fp32 (`block_sc
 row a Q4 block costs more in instructions than in memory traffic, and the fp32 pairs spare it
 two fp16 conversions and their broadcasts. Q5_0, Q4_K and Q6_K run only that way: their pairs
 are (d, -16 d), (d sc, -dmin m) per 32 weights, and (d sc) per 16 for Q6_K, every one exact, so
-each weight is still what gguf's dequantize computes, bit for bit.
+each weight is still what gguf's dequantize computes, bit for bit. Models run the k-quants
+repacked (`repack`: U4, U8, I8), in layouts that dequantize in fewer instructions.
 
 One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "portable";
 `best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
@@ -94,7 +95,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
            scales: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
     scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
-    (and which Q5_0, Q4_K and Q6_K need: made here when not given)."""
+    (and which the SCALES_ONLY types need: made here when not given; Q5_K is repacked here)."""
     if qtype in REPACKED_ONLY:
         blocks, qtype, scales = repack(blocks, qtype)
     return _product("matmul", x, blocks, qtype, isa, _needed_scales(blocks, qtype, scales))
@@ -152,8 +153,8 @@ def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:
     """[N, K/32, 2] float32 per 32 weights, so that every weight is q * s0 + s1 (exact: see
     csrc/quant_matmul_impl.h): (d, m) for Q4_1, (d, -8 d) for Q4_0, (d, -16 d) for Q5_0,
     (d sc, -dmin m) for Q4_K; for Q6_K the scales d sc of the slice's two 16-weight halves (w = (q - 32) s).
-    None for Q8_0, whose kernel is bound by memory, not by converting its scale. U4 and I8 keep
-    the scales repack made: their blocks hold none."""
+    Q5_K's are Q4_K's. None for Q8_0, whose kernel is bound by memory, not by converting its
+    scale. U4, I8 and U8 keep the scales repack made: their blocks hold none."""
     if qtype == "Q8_0":
         return None
     if qtype in REPACKED.values():
