@@ -1,5 +1,5 @@
 """The GGUF block kernel: y = x · dequant(W)ᵀ on Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks and the
-k-quants Q4_K / Q5_K / Q6_K (Q4_K_M and Q5_K_M files), in C++ (csrc/).
+k-quants Q3_K / Q4_K / Q5_K / Q6_K (Q3_K_M, Q4_K_M and Q5_K_M files), in C++ (csrc/).
 
 fp32 activations, weights dequantized inside the kernel (exactly as the gguf package does),
 fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
@@ -42,14 +42,14 @@ class QType(NamedTuple):
 
 
 KERNEL_TYPES = {"Q4_0": QType(2, 18, 32), "Q4_1": QType(3, 20, 32), "Q5_0": QType(6, 22, 32),
-                "Q8_0": QType(8, 34, 32), "Q4_K": QType(12, 144, 256), "Q5_K": QType(13, 176, 256),
-                "Q6_K": QType(14, 210, 256),
+                "Q8_0": QType(8, 34, 32), "Q3_K": QType(11, 110, 256), "Q4_K": QType(12, 144, 256),
+                "Q5_K": QType(13, 176, 256), "Q6_K": QType(14, 210, 256),
                 "U4": QType(100, 16, 32), "I8": QType(101, 32, 32), "U8": QType(102, 32, 32)}  # ours (repack)
-REPACKED = {"Q4_K": "U4", "Q5_K": "U8", "Q6_K": "I8"}  # what repack makes of a type
-REPACKED_ONLY = ("Q5_K",)  # the C++ kernel runs only its repacked form (matmul / dequantize repack it first)
+REPACKED = {"Q3_K": "I8", "Q4_K": "U4", "Q5_K": "U8", "Q6_K": "I8"}  # what repack makes of a type
+REPACKED_ONLY = ("Q3_K", "Q5_K")  # the C++ kernel runs only their repacked form (matmul / dequantize repack them first)
 GGUF_TYPES = tuple(t for t in KERNEL_TYPES if t not in REPACKED.values())  # the ones a GGUF file holds
 Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what matmul_q8 runs
-SCALES_ONLY = ("Q5_0", "Q4_K", "Q5_K", "Q6_K", "U4", "I8", "U8")  # run only with their scales (GGUF types': made when a caller has none)
+SCALES_ONLY = ("Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "U4", "I8", "U8")  # run only with their scales (GGUF types': made when a caller has none)
 BLOCK = 32  # weights per scale pair (block_scales) and per int8 activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
@@ -126,8 +126,9 @@ def repack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str, torch.T
     16 bytes, no header: dequantized as Q4_1 with fp32 pairs (~1.35x faster at one row than
     Q4_K's, whose slices take every other nibble). Q6_K -> I8: the codes q - 32 as int8, one byte
     a weight instead of 0.82, dequantized as Q8_0 with a scale per 16 (~2.2x faster than
-    assembling 4 + 2 bits). Q5_K -> U8: its 5-bit codes a byte each, with Q4_K's pairs (the
-    only form the kernel runs it in). Every weight stays what gguf's dequantize makes of the file."""
+    assembling 4 + 2 bits). Q5_K -> U8: its 5-bit codes a byte each, with Q4_K's pairs; Q3_K ->
+    I8: its codes (2 low bits, minus 4 where the high-bit mask is clear), with its scales per 16
+    (these two only run so). Every weight stays what gguf's dequantize makes of the file."""
     if qtype not in REPACKED:
         return blocks, qtype, None
     scales, n = block_scales(blocks, qtype), blocks.shape[0]
@@ -140,6 +141,12 @@ def repack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str, torch.T
         qh = b[..., 16:48].reshape(n, -1, 1, 32)  # bit j of byte l: weight l of the super-block's slice j
         fifth = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [N, S, 8, 32]
         return (codes.view(n, -1, 8, 32) | (fifth << 4)).reshape(n, -1).contiguous(), "U8", scales
+    if qtype == "Q3_K":  # 32 bytes of high-bit mask, 64 of 2-bit low parts (4 runs of 32 a byte, per 128 weights)
+        b = blocks.view(n, -1, 110)
+        low = torch.stack([(b[..., 32:96].reshape(n, -1, 2, 32) >> (2 * i)) & 3 for i in range(4)], dim=3)
+        mask = torch.stack([(b[..., :32] >> i) & 1 for i in range(8)], dim=2)  # [N, S, 8 runs of 32, l]
+        codes = low.reshape(n, -1, 8, 32).to(torch.int16) - ((mask ^ 1) << 2).to(torch.int16)
+        return codes.to(torch.int8).view(torch.uint8).reshape(n, -1).contiguous(), "I8", scales
     b = blocks.view(n, -1, 210)  # Q6_K, per 128 weights: 64 bytes of 4-bit low parts, 32 of 2-bit high parts
     ql = b[..., :128].reshape(n, -1, 2, 2, 32)  # [N, S, half, bytes l or l + 32, l]
     qh = b[..., 128:192].reshape(n, -1, 2, 32)  # [N, S, half, l]: 4 weights' high parts a byte
@@ -173,6 +180,11 @@ def block_scales(blocks: torch.Tensor, qtype: str) -> torch.Tensor | None:
         pairs = torch.stack([half(0) * sc.float(), -(half(2) * mn.float())], dim=-1)  # [N, blocks, 8, 2]
     elif qtype == "Q6_K":  # 16 int8 scales, fp16 d last
         pairs = half(208) * b[..., 192:208].contiguous().view(torch.int8).float()  # [N, blocks, 16]
+    elif qtype == "Q3_K":  # 16 six-bit scales (minus 32) in 12 bytes: low nibbles, then 2-bit high parts; fp16 d last
+        s = b[..., 96:108]
+        low = torch.cat([s[..., :8] & 15, s[..., :8] >> 4], dim=-1)  # [N, blocks, 16]
+        high = torch.cat([(s[..., 8:12] >> (2 * i)) & 3 for i in range(4)], dim=-1)
+        pairs = half(108) * ((low | (high << 4)).to(torch.int32) - 32).float()
     else:
         d = half(0)
         second = {"Q4_1": lambda: half(2), "Q4_0": lambda: -8 * d, "Q5_0": lambda: -16 * d}[qtype]()

@@ -168,18 +168,20 @@ def k_quant_layer(qk_type: str) -> dict:
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
-@pytest.mark.parametrize("qk_type", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qk_type", ["Q3_K", "Q4_K", "Q5_K"])
 def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_path, qk_type):
     """Its parts fill their own columns of qkv in the C++ loop's kernel steps (before, such a
-    projection ran its fp32 dense copy there), with op-by-op logits and transformers' text."""
+    projection ran its fp32 dense copy there), with op-by-op logits and transformers' text.
+    Q3_K and Q6_K both repack as I8: one weight, no stack."""
     hf = tiny_llama(hidden_size=256, intermediate_size=512)  # k-quants need K a multiple of 256
     loaded = write_tiny_gguf(tmp_path / "k_m.gguf", k_quant_layer(qk_type), model=hf)
     model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf")
     fused = model.fused
-    packed = qk.REPACKED[qk_type]  # U4 or U8; Q6_K as I8
-    assert [p.qtype for p in model.layers[0].qkv.parts] == [packed, packed, "I8"]
+    packed = qk.REPACKED[qk_type]  # U4, U8 or I8; Q6_K as I8
+    qkv = model.layers[0].qkv
+    assert [p.qtype for p in getattr(qkv, "parts", [qkv])] == ([packed] if packed == "I8" else [packed, packed, "I8"])
     assert model.layers[0].gate_up.qtype == packed and model.layers[0].down.qtype == "I8"
-    assert fused.kernel.parts == [3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
+    assert fused.kernel.parts == [1 if packed == "I8" else 3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
     assert fused.dense.parts == [1] * 8 and set(fused.dense.types) == {DENSE}
     calls = []
     all_layers = fused.layers_in_one_call

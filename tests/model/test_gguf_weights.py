@@ -51,9 +51,10 @@ def write_tiny_gguf(path, types=TINY_TYPES, arch: str = "llama", model=None) -> 
         w = params[hf].detach().numpy()
         stored = llama_cpp_permute(w, heads) if heads else w
         kind = GGMLQuantizationType[qtype]
-        if qtype in K_QUANTS:  # weights of ~0.1: sub-scales to 63 (Q4_K, Q5_K) or 127 (Q6_K), codes to 15, 31, 63
+        if qtype in K_QUANTS:  # weights of ~0.1: sub-scales to 32 (Q3_K), 63 (Q4_K, Q5_K) or 127 (Q6_K)
             seed = sum(map(ord, gguf_name))
-            data = random_blocks(qtype, *w.shape, seed=seed, scale={"Q4_K": 1e-4, "Q5_K": 5e-5}.get(qtype, 3e-5)).numpy()
+            scale = {"Q3_K": 1e-3, "Q4_K": 1e-4, "Q5_K": 5e-5}.get(qtype, 3e-5)
+            data = random_blocks(qtype, *w.shape, seed=seed, scale=scale).numpy()
         else:
             data = quantize(stored, kind) if qtype != "F16" else stored.astype(np.float16)
         writer.add_tensor(gguf_name, data, raw_dtype=kind)

@@ -27,7 +27,7 @@ def isa_param(isa: str):
 
 ISAS = [isa_param(i) for i in ("portable", "avx2", "avx512")]
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
-K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = ["Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 SCALED = [pytest.param(False, id="fp16-scales"), pytest.param(True, id="fp32-scales")]
 
 
@@ -43,7 +43,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int, scale: float = 0.05) ->
     t = qk.KERNEL_TYPES[qtype]
     raw = rng.integers(0, 256, size=(n, k // t.weights, t.bytes), dtype=np.uint8)
     num_halves = 2 if qtype in ("Q4_1", "Q4_K", "Q5_K") else 1
-    at = 208 if qtype == "Q6_K" else 0  # Q6_K keeps its d last
+    at = {"Q6_K": 208, "Q3_K": 108}.get(qtype, 0)  # Q6_K and Q3_K keep their d last
     halves = (rng.standard_normal((n, k // t.weights, num_halves)) * scale).astype(np.float16)
     raw[:, :, at : at + 2 * num_halves] = halves.view(np.uint8).reshape(n, k // t.weights, 2 * num_halves)
     return torch.from_numpy(raw.reshape(n, -1))
