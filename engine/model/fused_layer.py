@@ -53,11 +53,16 @@ class _Weights:
     biases: list[torch.Tensor | None]  # per layer: qkv, o, gate/up, down
 
 
+def _mlp_norms(w) -> tuple:
+    """A layer's MLP input norm, and the norm on its attention output (Gemma's; None for Llama,
+    whose post-attention norm is the MLP's input norm)."""
+    return (w.pre_ff_norm, w.post_attn_norm) if w.pre_ff_norm is not None else (w.post_attn_norm, None)
+
+
 def _extra_norms(w) -> list[torch.Tensor | None]:
     """A layer's q norm, k norm, and norms of the attention and MLP outputs (Gemma), as the C++
     loop takes them: fp32 weights (Gemma's already 1 + w), None where absent."""
-    attn_out = w.post_attn_norm if w.pre_ff_norm is not None else None  # Llama's post-attention norm is the MLP's input norm
-    return [None if n is None else n.weight for n in (w.q_norm, w.k_norm, attn_out, w.post_ff_norm)]
+    return [None if n is None else n.weight for n in (w.q_norm, w.k_norm, _mlp_norms(w)[1], w.post_ff_norm)]
 
 
 def _dense(p) -> Linear | None:
@@ -78,8 +83,7 @@ class FusedLayers:
         def weight_set(pick) -> _Weights:  # pick(projection) -> ([(weight, type id, scales)], bias)
             out = _Weights([], [], [], [], [], [])
             for w, ps in zip(layers, projections):
-                mlp_in = w.pre_ff_norm if w.pre_ff_norm is not None else w.post_attn_norm  # the MLP's input norm
-                out.norms.extend((w.input_norm.weight, mlp_in.weight))
+                out.norms.extend((w.input_norm.weight, _mlp_norms(w)[0].weight))
                 for p in ps:
                     parts, bias = pick(p)
                     out.parts.append(len(parts))
@@ -96,8 +100,7 @@ class FusedLayers:
         runs = [q for ps in projections for p in ps for q in _runs(p)]
         # steps of up to max_rows rows belong to the block kernels: the kernel set's, or (no kernel
         # set: int8 activations, gguf-q8) the projections' own, op by op (weights_for: None)
-        self.max_rows = min((p.max_rows for ps in projections for p in ps if isinstance(p, (QuantLinear, QuantLinearStack))),
-                            default=0)
+        self.max_rows = min((q.max_rows for q in runs), default=0)
         self._isa = quant_kernel.ISAS[runs[0].isa] if kernel else quant_kernel.ISAS[quant_kernel.best_isa()]
         self._scale = [a.scale for a in attention]
         self._window = [a.window or 0 for a in attention]

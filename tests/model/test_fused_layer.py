@@ -127,6 +127,27 @@ def backends():
     return [TorchAttention, cpu]
 
 
+def one_call_rows(fused: FusedLayers) -> list[int]:
+    """From now on, the rows of every step the C++ loop runs (`layers_in_one_call`)."""
+    calls = []
+    all_layers = fused.layers_in_one_call
+    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
+    return calls
+
+
+def fused_and_op_by_op(model: LlamaModel, fused: FusedLayers, steps: list, num_blocks: int) -> tuple[list, list]:
+    """The logits of `steps` (each a PagedRunner.step batch) on the fused path, then op by op;
+    the model is left fused."""
+    def run(use_fused: bool) -> list[torch.Tensor]:
+        model.fused = fused if use_fused else None
+        runner = PagedRunner(model, num_blocks=num_blocks)
+        return [runner.step(batch) for batch in steps]
+
+    got, want = run(True), run(False)
+    model.fused = fused
+    return got, want
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, backend):
     loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -139,17 +160,10 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     fused.attn_in = lambda *a: calls.append(a[1].shape[0]) or attn_in(*a)
     fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
 
-    def run(use_fused: bool) -> list[torch.Tensor]:
-        model.fused = fused if use_fused else None
-        runner = PagedRunner(model, num_blocks=16)
-        prompts = {0: list(range(3, 3 + big)), 1: list(range(100, 104)), 2: list(range(120, 123))}
-        out = [runner.step([(0, prompts[0])])]  # more rows than the kernel takes
-        out.append(runner.step([(1, prompts[1]), (2, prompts[2]), (0, [7])]))  # a prefill mix of 8 rows
-        for t in range(4):  # decodes of 3 rows, then of 1
-            out.append(runner.step([(0, [8 + t]), (1, [9 + t]), (2, [10 + t])] if t < 2 else [(1, [11 + t])]))
-        return out
-
-    got, want = run(True), run(False)
+    steps = [[(0, list(range(3, 3 + big)))],  # more rows than the kernel takes
+             [(1, list(range(100, 104))), (2, list(range(120, 123))), (0, [7])]]  # a prefill mix of 8 rows
+    steps += [[(0, [8 + t]), (1, [9 + t]), (2, [10 + t])] if t < 2 else [(1, [11 + t])] for t in range(4)]  # 3 rows, then 1
+    got, want = fused_and_op_by_op(model, fused, steps, num_blocks=16)
     # with the CPU kernel the layer loop is one C++ call a step, the big one on the dense
     # copies; without it, kernel steps call the halves per layer and the big step is op by op
     assert calls == ([big, 8, 3, 3, 1, 1] if backend is CpuAttention else [8] * 2 + [3] * 4 + [1] * 4)
@@ -183,23 +197,14 @@ def test_a_stacked_qkv_runs_each_part_on_its_blocks_in_the_one_call_loop(tmp_pat
     assert model.layers[0].gate_up.qtype == packed and model.layers[0].down.qtype == "I8"
     assert fused.kernel.parts == [1 if packed == "I8" else 3, 1, 1, 1] * 2 and DENSE not in fused.kernel.types
     assert fused.dense.parts == [1] * 8 and set(fused.dense.types) == {DENSE}
-    calls = []
-    all_layers = fused.layers_in_one_call
-    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
-
-    def run(use_fused: bool) -> list[torch.Tensor]:
-        model.fused = fused if use_fused else None
-        runner = PagedRunner(model, num_blocks=16)
-        out = [runner.step([(0, list(range(3, 3 + fused.max_rows + 4)))])]  # the dense copies
-        out += [runner.step([(0, [7 + t]), (1, [40 + t])] if t else [(1, list(range(40, 45)))]) for t in range(4)]
-        return out
-
-    got, want = run(True), run(False)
+    calls = one_call_rows(fused)
+    steps = [[(0, list(range(3, 3 + fused.max_rows + 4)))]]  # the dense copies
+    steps += [[(0, [7 + t]), (1, [40 + t])] if t else [(1, list(range(40, 45)))] for t in range(4)]
+    got, want = fused_and_op_by_op(model, fused, steps, num_blocks=16)
     assert calls == [fused.max_rows + 4, 5, 2, 2, 2]
     for g, w in zip(got, want):
         close(g, w)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
-    model.fused = fused
     assert_greedy_parity(loaded, model, loaded.tokenizer("hello world")["input_ids"])
 
 
@@ -224,9 +229,7 @@ def test_gguf_q8_steps_of_few_rows_run_the_int8_kernel_with_the_cpu_backend(tmp_
     model once ran the dense fp32 copies in the one-call loop instead of the int8 kernel."""
     loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
     model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf-q8")
-    calls, q8_calls = [], []
-    all_layers = model.fused.layers_in_one_call
-    model.fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
+    calls, q8_calls = one_call_rows(model.fused), []
     matmul_q8 = qk.matmul_q8
     qk.matmul_q8 = lambda x, *a: q8_calls.append(x.shape[0]) or matmul_q8(x, *a)
     try:
@@ -242,19 +245,10 @@ def test_gguf_q8_steps_of_few_rows_run_the_int8_kernel_with_the_cpu_backend(tmp_
 def test_dense_model_runs_every_step_in_one_call_with_op_by_op_logits(tiny_model):
     model = LlamaModel(tiny_model.hf_model, CpuAttention())
     fused = model.fused
-    calls = []
-    all_layers = fused.layers_in_one_call
-    fused.layers_in_one_call = lambda *a: calls.append(a[0].shape[0]) or all_layers(*a)
-
-    def run(use_fused: bool) -> list[torch.Tensor]:
-        model.fused = fused if use_fused else None
-        runner = PagedRunner(model, num_blocks=32)
-        out = [runner.step([(0, list(range(3, 40))), (1, list(range(50, 53)))])]  # a 40-row prefill
-        for t in range(3):  # decodes of 2 rows
-            out.append(runner.step([(0, [8 + t]), (1, [9 + t])]))
-        return out
-
-    got, want = run(True), run(False)
+    calls = one_call_rows(fused)
+    steps = [[(0, list(range(3, 40))), (1, list(range(50, 53)))]]  # a 40-row prefill
+    steps += [[(0, [8 + t]), (1, [9 + t])] for t in range(3)]  # decodes of 2 rows
+    got, want = fused_and_op_by_op(model, fused, steps, num_blocks=32)
     assert calls == [40, 2, 2, 2]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
