@@ -19,6 +19,7 @@ from engine.policies import POLICIES as _REGISTRY  # every policy module registe
 POLICIES = tuple(_REGISTRY)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # auto = the model's dtype
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
 ROUTERS = ("prefix", "round-robin", "least-loaded")
 WEIGHT_FORMATS = ("auto", "dequantized", "gguf", "gguf-q8")
@@ -97,10 +98,12 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1536
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         _require(self.block_size >= 1, "block_size", "must be >= 1")
         _require(self.num_blocks >= 1, "num_blocks", "must be >= 1")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 Layout [layers, 2, num_blocks, block_size, kv_heads, head_dim]: a block is `block_size`
 consecutive positions of one sequence; a token's slot is block * block_size + offset.
 The block manager decides which blocks belong to whom; this module only holds the memory.
+Its element type is the model's dtype, or a narrower `kv_cache_dtype` (float16, bfloat16) that
+the attention backends store keys and values into rounded (engine/attention/backend.py).
 """
 
 from __future__ import annotations

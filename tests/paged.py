@@ -10,11 +10,11 @@ from engine.model.llama import LlamaModel
 
 
 class PagedRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int = 256, block_size: int = 16):
+    def __init__(self, model: LlamaModel, num_blocks: int = 256, block_size: int = 16, kv_dtype: torch.dtype | None = None):
         s = model.shape
         self.model = model
         self.block_size = block_size
-        self.cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, model.dtype)
+        self.cache = KVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype or model.dtype)
         # hand out blocks in a scrambled order so contiguity is never assumed
         self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist())
         self.tables: dict[int, list[int]] = {}

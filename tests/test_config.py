@@ -66,6 +66,8 @@ def test_keyword_overrides():
         ({"replica_cpus": 0.0}, "replica_cpus"),
         ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
         ({"replica_cpus": "1"}, "replica_cpus"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "float32"}, "kv_cache_dtype"),
     ],
 )
 def test_bad_keyword_override_names_the_key(overrides, key):

@@ -6,6 +6,9 @@ position p = context_lens[i] + j and attends to keys 0..p of its own sequence â€
 below context_lens[i] from the paged cache, the rest from this step's fresh k/v. The fresh
 k/v are stored into the cache at slot_mapping (slots of -1 are skipped).
 
+The cache may be narrower than q (kv_cache_dtype: float16, bfloat16): then every key and value,
+the step's fresh ones included, is attended as the cache holds it (`as_cached`).
+
 What differs between layers comes with each `forward` as a `LayerAttention`: the score scale,
 a sliding window (query at position p sees keys p - window + 1 .. p, transformers'
 `sliding_window`) and tanh soft-capping of the scores (Gemma 2).
@@ -53,7 +56,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], q's dtype or the kv_cache_dtype
         v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
         prepared: object,
@@ -67,9 +70,11 @@ def store_kv(
     valid: torch.Tensor | None,
 ) -> None:
     """Write this step's keys/values into the paged cache. `valid` selects tokens whose slot
-    is not -1 (None = all are valid)."""
+    is not -1 (None = all are valid). A narrower cache (kv_cache_dtype) stores them rounded to
+    nearest even."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, KVH, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     if valid is None:
         k_flat.index_copy_(0, slot_mapping, k)
         v_flat.index_copy_(0, slot_mapping, v)
@@ -79,18 +84,35 @@ def store_kv(
         v_flat.index_copy_(0, slots, v[valid])
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def as_cached(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's k/v as the cache holds them: rounded through a narrower kv_cache_dtype (and
+    back), so every key is read alike, whether stored this step or an earlier one."""
+    if k_cache.dtype == k.dtype:
+        return k, v
+    return k.to(k_cache.dtype).to(k.dtype), v.to(k_cache.dtype).to(v.dtype)
+
+
+def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend `name` for activations of `dtype` over a KV cache of `kv_dtype` (None: dtype)."""
+    kv_dtype = kv_dtype or dtype
     if name == "auto":
         # On CPU, the compiled paged kernel when a compiler is at hand (decode reads the cache
-        # in place: ~3x faster steps at long contexts); else plain torch.
+        # in place: ~3x faster steps at long contexts) and it takes these dtypes; else plain torch.
         if device.type == "cuda":
             name = "triton"
         else:
-            from engine.attention.cpu_backend import cpu_kernel_available
+            from engine.attention.cpu_backend import cpu_kernel_available, cpu_kernel_dtypes
 
-            name = "cpu" if cpu_kernel_available() else "torch"
+            name = "cpu" if cpu_kernel_dtypes(dtype, kv_dtype) is None and cpu_kernel_available() else "torch"
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' is a CPU kernel; this engine runs on {device.type} (use 'auto')")
+    if name == "cpu":
+        from engine.attention.cpu_backend import cpu_kernel_dtypes
+
+        refusal = cpu_kernel_dtypes(dtype, kv_dtype)
+        if refusal is not None:
+            raise ValueError(f"attention_backend 'cpu': {refusal} (use 'auto' or 'torch')")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention_backend 'triton' runs on CUDA; this engine runs on {device.type} (use 'auto', "
                          "or TRITON_INTERPRET=1 to run its kernels interpreted on the CPU: slow, for tests)")

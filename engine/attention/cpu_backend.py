@@ -9,7 +9,9 @@ in fp32, cached context then the step's fresh keys. Same semantics as backend.py
 The kernel is compiled at first use (engine/cpp_build.py: -O3 -march=native, or the flags of
 STEPWISE_CPU_FEATURES where that restricts the CPU (engine/cpu.py), falling back to
 -O3; at::parallel_for follows torch.get_num_threads()). A failed build raises RuntimeError;
-`cpu_kernel_available()` lets the engine ask first. float32 and bfloat16 (fp32 accumulation).
+`cpu_kernel_available()` lets the engine ask first. float32 and bfloat16 activations (fp32
+accumulation) over a cache of their dtype, or a narrower one (kv_cache_dtype: float16, or bfloat16
+under float32), stored rounded to nearest even and widened on load (F16C where the CPU has it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ def _build() -> None:
 
 
 _KERNEL = KernelLoader(_build, lambda: torch.ops.stepwise_cpu.paged_attention, "CPU attention kernel")
+
+
+# activation dtype -> the KV cache dtypes the kernel reads with it
+_CACHE_DTYPES = {
+    torch.float32: (torch.float32, torch.float16, torch.bfloat16),
+    torch.bfloat16: (torch.bfloat16, torch.float16),
+}
+
+
+def cpu_kernel_dtypes(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """None if the kernel runs `dtype` activations over a `kv_dtype` cache, else why not."""
+    if dtype not in _CACHE_DTYPES:
+        return f"the CPU kernel runs float32 or bfloat16 models, not dtype {_name(dtype)}"
+    if kv_dtype not in _CACHE_DTYPES[dtype]:
+        return (f"the CPU kernel cannot read a {_name(kv_dtype)} KV cache (kv_cache_dtype) under a "
+                f"{_name(dtype)} model; it takes {', '.join(_name(d) for d in _CACHE_DTYPES[dtype])}")
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def cpu_kernel_available() -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import LayerAttention, store_kv
+from engine.attention.backend import LayerAttention, as_cached, store_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -153,6 +153,7 @@ class TorchAttention:
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TorchPlan, layer: LayerAttention | None = None
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
+        k, v = as_cached(k, v, k_cache)
         num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         layer = layer or LayerAttention.plain(head_dim)
         window = layer.window
@@ -178,10 +179,10 @@ class TorchAttention:
             k_flat = k_cache.view(-1, kv_heads, head_dim)
             v_flat = v_cache.view(-1, kv_heads, head_dim)
             max_len = d.slots.shape[1]
-            k_buf, v_buf = self._buffers(bd * max_len * kv_heads * head_dim, q)
+            k_buf, v_buf = self._buffers(bd * max_len * kv_heads * head_dim, k_cache)
             slots = d.slots.view(-1)
-            k_buf = torch.index_select(k_flat, 0, slots, out=k_buf.view(-1, kv_heads, head_dim))
-            v_buf = torch.index_select(v_flat, 0, slots, out=v_buf.view(-1, kv_heads, head_dim))
+            k_buf = torch.index_select(k_flat, 0, slots, out=k_buf.view(-1, kv_heads, head_dim)).to(q.dtype)
+            v_buf = torch.index_select(v_flat, 0, slots, out=v_buf.view(-1, kv_heads, head_dim)).to(q.dtype)
             ks = k_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)  # [Bd, KVH, Lmax, D]
             vs = v_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)
             # Fold the query heads of one kv head into the query axis: no repeat of K/V.
@@ -191,8 +192,8 @@ class TorchAttention:
         for c in plan.chunks:
             k_flat = k_cache.view(-1, kv_heads, head_dim)
             v_flat = v_cache.view(-1, kv_heads, head_dim)
-            ks = k_flat[c.slots].transpose(0, 1)[None]  # [1, KVH, S, D]
-            vs = v_flat[c.slots].transpose(0, 1)[None]
+            ks = k_flat[c.slots].to(q.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
+            vs = v_flat[c.slots].to(q.dtype).transpose(0, 1)[None]
             qs = q[c.start : c.start + c.length].transpose(0, 1)[None]  # [1, H, L, D]
             o = attend(qs, ks, vs, c.mask(window), layer, group)
             out[c.start : c.start + c.length] = o[0].transpose(0, 1)

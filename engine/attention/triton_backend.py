@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.backend import LayerAttention, store_kv
+from engine.attention.backend import LayerAttention, as_cached, store_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -132,6 +132,7 @@ class TritonAttention:
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: TritonPlan, layer: LayerAttention | None = None
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.valid)
+        k, v = as_cached(k, v, k_cache)  # the fresh rows the kernel reads from k/v, rounded like the cache
         num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]
         layer = layer or LayerAttention.plain(head_dim)
         kv_heads = k.shape[1]  # k, v: [T, KVH, D]

@@ -8,9 +8,10 @@ import torch
 from engine.batch import Seq, flatten_batch
 
 
-def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0, num_blocks=128):
+def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0, num_blocks=128, cache_dtype=None):
     """seqs: (context_len, query_len, is_padding). Blocks come from a shuffled pool, so block
-    ids are non-contiguous and out of order. Returns metadata, q/k/v and a random cache."""
+    ids are non-contiguous and out of order. Returns metadata, q/k/v and a random cache (of
+    `cache_dtype`, None = dtype)."""
     h, kvh = heads
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randperm(num_blocks, generator=gen).tolist()
@@ -23,6 +24,6 @@ def make_batch(seqs, heads=(6, 2), d=16, bs=4, dtype=torch.float32, seed=0, num_
     q = torch.randn(t, h, d, generator=gen).to(dtype)  # [T, H, D]
     k = torch.randn(t, kvh, d, generator=gen).to(dtype)  # [T, KVH, D]
     v = torch.randn(t, kvh, d, generator=gen).to(dtype)
-    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)  # [N, bs, KVH, D]
-    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(cache_dtype or dtype)  # [N, bs, KVH, D]
+    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(cache_dtype or dtype)
     return meta, q, k, v, k_cache, v_cache

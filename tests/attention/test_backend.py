@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.attention.backend import get_backend
+from engine.attention.cpu_backend import cpu_kernel_available
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -22,3 +23,18 @@ def test_cpu_kernel_on_cuda_and_unknown_names_are_refused():
         get_backend("cpu", torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_backend("flash", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
+def test_cpu_kernel_dtypes():
+    """The kernel takes float32 / bfloat16 activations over a cache of their dtype or a narrower
+    one (kv_cache_dtype); `auto` falls back to torch for the rest, `cpu` by name refuses them."""
+    cpu = torch.device("cpu")
+    for dtype, kv in [(torch.float32, None), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                      (torch.bfloat16, None), (torch.bfloat16, torch.float16)]:
+        assert get_backend("auto", cpu, dtype, kv).name == "cpu" == get_backend("cpu", cpu, dtype, kv).name
+    assert get_backend("auto", cpu, torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="not dtype float16"):
+        get_backend("cpu", cpu, torch.float16)
+    with pytest.raises(ValueError, match="cannot read a float32 KV cache \\(kv_cache_dtype\\) under a bfloat16 model"):
+        get_backend("cpu", cpu, torch.bfloat16, torch.float32)

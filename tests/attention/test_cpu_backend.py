@@ -73,6 +73,27 @@ def test_bfloat16():
     check(MIXED, dtype=torch.bfloat16, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float16)], ids=["f32-f16", "f32-bf16", "bf16-f16"])
+@pytest.mark.parametrize("d", [64, 20])  # the vector loads, and a tail of D past 8 lanes
+def test_narrow_cache_matches_torch(dtype, cache_dtype, d):
+    """A kv_cache_dtype narrower than q: both backends store the same rounded rows (bit-equal
+    caches) and read them back widened, so their outputs agree as closely as for one dtype."""
+    check(MIXED, d=d, dtype=dtype, cache_dtype=cache_dtype, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_narrow_cache_is_close_to_a_full_one():
+    """What the rounding costs: fp16 keys/values (10-bit mantissa) against the float32 cache."""
+    meta, q, k, v, k_cache, v_cache = make_batch(MIXED, d=64, seed=3)
+    be = CpuAttention()
+    want = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, be.prepare(meta))
+    kc, vc = k_cache.half(), v_cache.half()
+    got = be.forward(q, k, v, kc, vc, meta, be.prepare(meta))
+    assert kc.dtype == torch.float16
+    assert not torch.equal(got, want)  # the cached context really was read at fp16
+    torch.testing.assert_close(got, want, atol=5e-3, rtol=5e-3)
+
+
 def test_padding_only_and_empty_batch():
     check([(0, 4, True)])
     meta = AttentionMetadata.build([], [], [], [], 4)
@@ -92,6 +113,10 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
         be.forward(q, k, v, k_cache, v_cache, meta, plan)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         be.forward(q.half(), k.half(), v.half(), k_cache.half(), v_cache.half(), meta, be.prepare(meta))
+    with pytest.raises(RuntimeError, match="cannot use a Float KV cache"):  # wider than q: not a kv_cache_dtype
+        be.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), k_cache, v_cache, meta, be.prepare(meta))
+    with pytest.raises(RuntimeError, match="so must the caches"):
+        be.forward(q, k, v, k_cache, v_cache.half(), meta, be.prepare(meta))
 
 
 def test_cache_views_of_one_big_tensor():

@@ -38,9 +38,11 @@ def naive(q, k, v, k_cache, v_cache, meta):
     return out
 
 
-def run_both(seqs, block_n=16, seed=0):
-    meta, q, k, v, k_cache, v_cache = make_batch(seqs, heads=(H, KVH), d=D, bs=BS, seed=seed, num_blocks=NUM_BLOCKS)
-    expected_naive = naive(q, k, v, k_cache, v_cache, meta)
+def run_both(seqs, block_n=16, seed=0, cache_dtype=None):
+    meta, q, k, v, k_cache, v_cache = make_batch(seqs, heads=(H, KVH), d=D, bs=BS, seed=seed, num_blocks=NUM_BLOCKS,
+                                                 cache_dtype=cache_dtype)
+    # a narrower cache: every key is attended as stored, so the naive reference rounds the fresh ones
+    expected_naive = naive(q, *(x.to(k_cache.dtype).float() for x in (k, v, k_cache, v_cache)), meta)
     kc_t, vc_t = k_cache.clone(), v_cache.clone()
     torch_be = TorchAttention()
     ref = torch_be.forward(q, k, v, kc_t, vc_t, meta, torch_be.prepare(meta))
@@ -90,6 +92,17 @@ def test_cache_store_matches_torch():
         untouched = torch.ones(flat.shape[0], dtype=torch.bool)
         untouched[slots[valid]] = False
         torch.testing.assert_close(flat[untouched], flat0[untouched], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_narrow_cache(cache_dtype):
+    """kv_cache_dtype: the kernel widens fp16/bf16 cache rows on load and attends the step's
+    fresh rows rounded alike; both backends store the same rounded rows."""
+    r = run_both(MIXED, seed=5, cache_dtype=cache_dtype)
+    check_outputs(r)
+    for got, want in zip(r["triton_cache"], r["torch_cache"]):
+        assert got.dtype == cache_dtype
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_empty_batch():

@@ -135,12 +135,13 @@ def one_call_rows(fused: FusedLayers) -> list[int]:
     return calls
 
 
-def fused_and_op_by_op(model: LlamaModel, fused: FusedLayers, steps: list, num_blocks: int) -> tuple[list, list]:
-    """The logits of `steps` (each a PagedRunner.step batch) on the fused path, then op by op;
-    the model is left fused."""
+def fused_and_op_by_op(model: LlamaModel, fused: FusedLayers, steps: list, num_blocks: int,
+                       kv_dtype: torch.dtype | None = None) -> tuple[list, list]:
+    """The logits of `steps` (each a PagedRunner.step batch) on the fused path, then op by op,
+    over a KV cache of `kv_dtype` (None: the model's); the model is left fused."""
     def run(use_fused: bool) -> list[torch.Tensor]:
         model.fused = fused if use_fused else None
-        runner = PagedRunner(model, num_blocks=num_blocks)
+        runner = PagedRunner(model, num_blocks=num_blocks, kv_dtype=kv_dtype)
         return [runner.step(batch) for batch in steps]
 
     got, want = run(True), run(False)
@@ -170,6 +171,28 @@ def test_tiny_gguf_model_small_steps_run_fused_with_op_by_op_logits(tmp_path, ba
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_the_one_call_loop_runs_over_a_narrow_kv_cache(tmp_path, kv_dtype):
+    """kv_cache_dtype float16 / bfloat16: the C++ loop stores and reads the narrow cache as the
+    op-by-op path does (same logits); against a float32 cache the logits move, but only a little."""
+    loaded = write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = LlamaModel(loaded.hf_model, CpuAttention(), gguf=loaded.gguf, weight_format="gguf")
+    fused = model.fused
+    calls = one_call_rows(fused)
+    steps = [[(0, list(range(3, 10))), (1, list(range(100, 104)))]]  # two prompts, 11 rows
+    steps += [[(0, [8 + t]), (1, [9 + t])] for t in range(3)]  # decodes over the stored rows
+    got, want = fused_and_op_by_op(model, fused, steps, num_blocks=16, kv_dtype=kv_dtype)
+    assert calls == [11, 2, 2, 2]
+    for g, w in zip(got, want):
+        close(g, w)
+    runner = PagedRunner(model, num_blocks=16)  # a float32 cache
+    full = [runner.step(batch) for batch in steps]
+    assert not torch.equal(got[-1], full[-1])  # the rounding is real
+    for g, f in zip(got, full):  # fp16: ~1e-3 here, bf16 ~2e-2 (logits up to ~4)
+        torch.testing.assert_close(g, f, rtol=0, atol=0.02 * float(f.abs().max()))
 
 
 def k_quant_layer(qk_type: str) -> dict:

@@ -20,7 +20,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,9 +62,20 @@ inline vf load(const c10::BFloat16* p) {  // bf16 = top half of an fp32
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+inline vf load(const c10::Half* p) {  // an fp16 KV cache (kv_cache_dtype = "float16")
+  vf v;
+#ifdef __F16C__
+  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &x, sizeof v);
+#else
+  for (int j = 0; j < SW; ++j) v[j] = static_cast<float>(p[j]);
+#endif
+  return v;
+}
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
 inline float hsum(vf a) {
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -235,7 +251,49 @@ struct Args {
   float scale, softcap;  // softcap 0 = none
 };
 
-template <typename T, int DC>
+// One row of D values into the cache's type, rounded to nearest even (as torch's .to()).
+template <typename T, typename C>
+inline void store_row(C* dst, const T* src, int D) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, size_t(D) * sizeof(T));
+  } else {
+    int d = 0;
+#ifdef __F16C__
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<C, c10::Half>)
+      for (; d + 8 <= D; d += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; d < D; ++d) dst[d] = static_cast<C>(static_cast<float>(src[d]));
+  }
+}
+
+// D values of a narrower cache row widened to fp32.
+template <typename C>
+inline void widen_row(float* dst, const C* src, int D) {
+  int d = 0;
+  for (; d + SW <= D; d += SW) store(dst + d, load(src + d));
+  for (; d < D; ++d) dst[d] = to_f(src[d]);
+}
+
+// D fresh values as a cache of type C would hold them, widened back to fp32.
+template <typename T, typename C>
+inline void round_row(float* dst, const T* src, int D) {
+  int d = 0;
+#ifdef __F16C__
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, c10::Half>)
+    for (; d + 8 <= D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(static_cast<C>(static_cast<float>(src[d])));
+}
+
+// T: q/k/v/out; C: the cache (T, or a narrower KV dtype). Every key and value is read as C holds
+// it, the step's fresh ones too (rounded into a small fp32 buffer), so a token's attention does
+// not depend on whether its keys were stored this step or an earlier one. A tile of more rows
+// than one register block reads each key once per block: its narrow rows are widened to fp32
+// once per chunk first (decode tiles, a few rows, read them as they are: half the bytes).
+template <typename T, typename C, int DC>
 void run(const Args& a) {
   const int D = DC ? DC : a.D;
   const int64_t num_items = int64_t(a.num_tiles) * a.KVH;
@@ -244,8 +302,13 @@ void run(const Args& a) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(a.max_rows * D), acc(a.max_rows * D), m(a.max_rows), l(a.max_rows);
     std::vector<int> pos(a.max_rows), lo(a.max_rows);
-    const T* kp[KC];
+    const C* ckp[KC];  // a chunk's cached rows
+    const C* cvp[KC];
+    const T* kp[KC];  // a chunk's fresh rows
     const T* vp[KC];
+    std::vector<float> wide_k(std::is_same_v<T, C> ? 0 : KC * D), wide_v(wide_k.size());  // a chunk in fp32
+    const float* wkp[KC];
+    const float* wvp[KC];
     for (int64_t item; (item = next.fetch_add(1)) < num_items;) {
       const int32_t* t = a.tiles + (item / a.KVH) * 5;
       const int g = int(item % a.KVH), seq = t[0], tok0 = t[1], qt = t[2], ctx = t[3], pos0 = t[4];
@@ -260,14 +323,15 @@ void run(const Args& a) {
         lo[r] = a.window ? std::max(0, pos[r] - a.window + 1) : 0;
       }
       const int lo0 = lo[0];  // the tile's earliest visible key: rows ascend in position
-      auto chunk = [&](int n, int p0) {  // all rows against keys p0..p0+n-1
+      auto chunk = [&](const auto* const* keys, const auto* const* values, int n, int p0) {  // rows x keys p0..
+        using E = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>>>;
         for (int r0 = 0; r0 < R; r0 += RB_MAX) {
           const Rows w{&qf[r0 * D], &acc[r0 * D], &m[r0], &l[r0], &pos[r0], &lo[r0], a.softcap};
           switch (std::min(RB_MAX, R - r0)) {
-            case 1: block<1, T, DC>(w, kp, vp, n, p0, D); break;
-            case 2: block<2, T, DC>(w, kp, vp, n, p0, D); break;
-            case 3: block<3, T, DC>(w, kp, vp, n, p0, D); break;
-            default: block<4, T, DC>(w, kp, vp, n, p0, D); break;
+            case 1: block<1, E, DC>(w, keys, values, n, p0, D); break;
+            case 2: block<2, E, DC>(w, keys, values, n, p0, D); break;
+            case 3: block<3, E, DC>(w, keys, values, n, p0, D); break;
+            default: block<4, E, DC>(w, keys, values, n, p0, D); break;
           }
         }
       };
@@ -275,27 +339,37 @@ void run(const Args& a) {
       // (the first, its own too) into L2 (L1 measured slower): scattered blocks defeat the
       // hardware prefetcher, and without this decode runs at about half the speed.
       const int32_t* table = a.tables + seq * a.table_stride;
-      const T* kc = static_cast<const T*>(a.kc) + g * a.sc_h;
-      const T* vc = static_cast<const T*>(a.vc) + g * a.sc_h;
+      const C* kc = static_cast<const C*>(a.kc) + g * a.sc_h;
+      const C* vc = static_cast<const C*>(a.vc) + g * a.sc_h;
       auto offset = [&](int p) { return table[p / a.block_size] * a.sc_b + (p % a.block_size) * a.sc_o; };
       const int c0 = lo0 / KC * KC;  // first chunk holding a visible key
       for (int p0 = c0; p0 < ctx; p0 += KC) {
         const int n = std::min(KC, ctx - p0);
         for (int c = 0; c < n; ++c) {
           const int64_t off = offset(p0 + c);
-          kp[c] = kc + off;
-          vp[c] = vc + off;
+          ckp[c] = kc + off;
+          cvp[c] = vc + off;
         }
-        std::fill(kp + n, kp + KC, kp[n - 1]), std::fill(vp + n, vp + KC, vp[n - 1]);
+        std::fill(ckp + n, ckp + KC, ckp[n - 1]), std::fill(cvp + n, cvp + KC, cvp[n - 1]);
         for (int p = p0 == c0 ? p0 : p0 + KC; p < std::min(ctx, p0 + 2 * KC); ++p) {
           const char* kr = reinterpret_cast<const char*>(kc + offset(p));
           const char* vr = reinterpret_cast<const char*>(vc + offset(p));
-          for (int b = 0; b < D * int(sizeof(T)); b += 64) {
+          for (int b = 0; b < D * int(sizeof(C)); b += 64) {
             __builtin_prefetch(kr + b, 0, 2);
             __builtin_prefetch(vr + b, 0, 2);
           }
         }
-        chunk(n, p0);
+        if constexpr (!std::is_same_v<T, C>) {
+          if (R > RB_MAX) {
+            for (int c = 0; c < KC; ++c) {
+              widen_row(&wide_k[c * D], ckp[c], D), widen_row(&wide_v[c * D], cvp[c], D);
+              wkp[c] = &wide_k[c * D], wvp[c] = &wide_v[c * D];
+            }
+            chunk(wkp, wvp, n, p0);
+            continue;
+          }
+        }
+        chunk(ckp, cvp, n, p0);
       }
       // 2) fresh keys of this sequence, from this step's k/v (row of position p: first + p - ctx)
       const int first = tok0 - (pos0 - ctx), last = pos0 + qt - 1;
@@ -307,7 +381,15 @@ void run(const Args& a) {
           vp[c] = static_cast<const T*>(a.v) + row * a.sv_t + g * a.sv_h;
         }
         std::fill(kp + n, kp + KC, kp[n - 1]), std::fill(vp + n, vp + KC, vp[n - 1]);
-        chunk(n, p0);
+        if constexpr (std::is_same_v<T, C>) {
+          chunk(kp, vp, n, p0);
+        } else {
+          for (int c = 0; c < KC; ++c) {
+            round_row<T, C>(&wide_k[c * D], kp[c], D), round_row<T, C>(&wide_v[c * D], vp[c], D);
+            wkp[c] = &wide_k[c * D], wvp[c] = &wide_v[c * D];
+          }
+          chunk(wkp, wvp, n, p0);
+        }
       }
       for (int r = 0; r < R; ++r) {
         T* o = static_cast<T*>(a.out) + (tok0 + r / a.G) * a.so_t + (g * a.G + r % a.G) * a.so_h;
@@ -318,34 +400,42 @@ void run(const Args& a) {
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_d(const Args& a) {
   switch (a.D) {
-    case 64: return run<T, 64>(a);
-    case 128: return run<T, 128>(a);
-    default: return run<T, 0>(a);
+    case 64: return run<T, C, 64>(a);
+    case 128: return run<T, C, 128>(a);
+    default: return run<T, C, 0>(a);
   }
 }
 
 // This step's keys/values into the cache at their slots (block * block_size + offset); -1 = skip.
-template <typename T>
+template <typename T, typename C>
 void store_kv(const Args& a, const int64_t* slots, int64_t num_tokens) {
-  const size_t row = size_t(a.D) * sizeof(T);
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
     const int64_t base = slots[t] / a.block_size * a.sc_b + slots[t] % a.block_size * a.sc_o;
     for (int g = 0; g < a.KVH; ++g) {
-      std::memcpy(static_cast<T*>(const_cast<void*>(a.kc)) + base + g * a.sc_h,
-                  static_cast<const T*>(a.k) + t * a.sk_t + g * a.sk_h, row);
-      std::memcpy(static_cast<T*>(const_cast<void*>(a.vc)) + base + g * a.sc_h,
-                  static_cast<const T*>(a.v) + t * a.sv_t + g * a.sv_h, row);
+      store_row(static_cast<C*>(const_cast<void*>(a.kc)) + base + g * a.sc_h,
+                static_cast<const T*>(a.k) + t * a.sk_t + g * a.sk_h, a.D);
+      store_row(static_cast<C*>(const_cast<void*>(a.vc)) + base + g * a.sc_h,
+                static_cast<const T*>(a.v) + t * a.sv_t + g * a.sv_h, a.D);
     }
   }
+}
+
+// Store, then attend, with T = q's type and C = the cache's.
+template <typename T, typename C>
+void store_and_run(const Args& a, const int64_t* slots, int64_t num_tokens) {
+  store_kv<T, C>(a, slots, num_tokens);
+  if (a.num_tiles > 0) run_d<T, C>(a);
 }
 
 // q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] (the step's k/v are
 // stored into them first, at slot_mapping [T] int64, -1 = not stored), tiles [num_tiles, 5]
 // int32, block_tables [B, W] int32, out [T, H, D] (written). Last dims must be contiguous.
+// q/k/v/out float32 or bfloat16; the caches the same, or narrower (float16, or bfloat16 under
+// float32): stored rounded to nearest even, read back widened to fp32.
 // scale: score scale; window: 0 or the sliding window; softcap: 0 or the tanh soft-cap.
 // Every token of the batch must be in exactly one tile, or its output rows stay unwritten.
 void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -354,7 +444,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      double softcap) {
   for (const at::Tensor* x : {&q, &k, &v, &k_cache, &v_cache, &out}) {
     TORCH_CHECK(x->device().is_cpu(), "paged_attention: CPU tensors only");
-    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "paged_attention: q/k/v/caches/out must share a dtype");
+    const at::Tensor& like = x == &k_cache || x == &v_cache ? k_cache : q;
+    TORCH_CHECK(x->scalar_type() == like.scalar_type(), "paged_attention: q/k/v/out must share a dtype, and so must the caches");
     TORCH_CHECK(x->stride(-1) == 1, "paged_attention: last dim must be contiguous");
   }
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "bad ranks");
@@ -400,17 +491,15 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t num_slots = k_cache.size(0) * a.block_size;
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "paged_attention: slot ", slots[t], " is past the cache's ", num_slots);
-  switch (q.scalar_type()) {
-    case at::kFloat: store_kv<float>(a, slots, num_tokens); break;
-    case at::kBFloat16: store_kv<c10::BFloat16>(a, slots, num_tokens); break;
-    default: TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
-  if (a.num_tiles == 0) return;
-  switch (q.scalar_type()) {
-    case at::kFloat: return run_d<float>(a);
-    case at::kBFloat16: return run_d<c10::BFloat16>(a);
-    default: TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  // the cache: q's dtype, or a narrower one (float16; bfloat16 under float32 q)
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "paged_attention: float32 or bfloat16 only, got ", qt);
+  if (qt == at::kFloat && ct == at::kFloat) return store_and_run<float, float>(a, slots, num_tokens);
+  if (qt == at::kFloat && ct == at::kHalf) return store_and_run<float, c10::Half>(a, slots, num_tokens);
+  if (qt == at::kFloat && ct == at::kBFloat16) return store_and_run<float, c10::BFloat16>(a, slots, num_tokens);
+  if (qt == at::kBFloat16 && ct == at::kBFloat16) return store_and_run<c10::BFloat16, c10::BFloat16>(a, slots, num_tokens);
+  if (qt == at::kBFloat16 && ct == at::kHalf) return store_and_run<c10::BFloat16, c10::Half>(a, slots, num_tokens);
+  TORCH_CHECK(false, "paged_attention: a ", qt, " q cannot use a ", ct, " KV cache (float32, float16 or bfloat16)");
 }
 
 }  // namespace

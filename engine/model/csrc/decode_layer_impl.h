@@ -288,8 +288,8 @@ void attn_out_mlp(const at::Tensor& h, const at::Tensor& attn, const at::Tensor&
 // = its attention; extra_norms[4 l ..] = the layer's q norm, k norm, norm of the attention output
 // and norm of the MLP output (each None where the family has none; Gemma's as 1 + w), and
 // activation 0 = SwiGLU, 1 = GeGLU (tanh).
-// kv [L, 2, blocks, block_size, KVH, D]; slot_mapping, tiles and block_tables as the attention
-// kernel takes them (CpuPlan).
+// kv [L, 2, blocks, block_size, KVH, D] (float32, or float16 / bfloat16: kv_cache_dtype);
+// slot_mapping, tiles and block_tables as the attention kernel takes them (CpuPlan).
 void layers(const at::Tensor& h, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
             at::IntArrayRef parts, const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList cos,
             at::TensorList sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t isa,
@@ -317,9 +317,12 @@ void layers(const at::Tensor& h, at::TensorList norms, at::TensorList weights, a
                   int64_t(block_scales.size()) == num_weights,
               "stepwise_gguf.layers: weights, types and block_scales must hold one entry per part (", num_weights, ")");
   TORCH_CHECK(activation == 0 || activation == 1, "stepwise_gguf.layers: activation must be 0 (SwiGLU) or 1 (GeGLU)");
-  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && kv.scalar_type() == at::kFloat &&
-                  kv.dim() == 6 && kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
-              "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32 [L, 2, blocks, block_size, KVH, D]");
+  const auto kv_type = kv.scalar_type();  // the attention kernel stores and reads it
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 &&
+                  (kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && kv.dim() == 6 &&
+                  kv.size(1) == 2 && kv.size(4) == kv_heads && kv.size(5) == head_dim,
+              "stepwise_gguf.layers: h must be contiguous float32 [T, E], kv float32, float16 or bfloat16 "
+              "[L, 2, blocks, block_size, KVH, D]");
   const at::Tensor out = at::empty({T, heads, head_dim}, h.options());
   Scratch sc;
   at::Tensor q, k, v;
