@@ -17,6 +17,7 @@ wall-clock time ratio) and writes results.json and plots (when matplotlib is ins
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,12 +25,15 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
-from engine.config import EngineConfig, parse_value
+from engine.config import EngineConfig, ModelConfig, parse_value
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
 
 SIM_KEYS = ("replicas", "router")  # swept like config keys, but they shape the cluster, not an engine
+# Keys that set what a step costs, not what the scheduler does: `run` takes step times from the
+# calibration, so overriding them there would change nothing (refused; calibrate with them instead).
+CALIBRATED_KEYS = (*(f.name for f in dataclasses.fields(ModelConfig)), "kv_cache_dtype")
 MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
 
 
@@ -109,12 +113,20 @@ def _base_config(args) -> EngineConfig:
             raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
         if key in SIM_KEYS:
             raise SystemExit(f"--set {key}: use --{key}")
+        if args.command == "run":
+            _refuse_calibrated("--set", key)
         overrides[key] = _coerce(key, value)
     overrides["replicas"] = getattr(args, "replicas", 0)  # run: the simulated cluster's, so its [cluster] keys apply
     try:
         return EngineConfig.load(args.config if Path(args.config).exists() else None, **overrides)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def _refuse_calibrated(flag: str, key: str) -> None:
+    if key in CALIBRATED_KEYS:
+        raise SystemExit(f"{flag} {key}: the simulator takes step times from the calibration, which {key} "
+                         f"does not change here; calibrate with it (engine-sim calibrate --run --set {key}=...)")
 
 
 def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str]]:
@@ -124,6 +136,7 @@ def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str
     key, _, values = args.sweep.partition("=")
     if not values:
         raise SystemExit("--sweep wants KEY=V1,V2,...")
+    _refuse_calibrated("--sweep", key)
     out = []
     for raw in values.split(","):
         v = _coerce(key, raw)

@@ -15,7 +15,8 @@ from engine.sim.calibration import Calibration
 from tests.sim.util import CAL
 
 REPO = Path(__file__).resolve().parents[2]
-COMMON = ["--config", str(REPO / "config.toml"), "--set", "model=tiny-random", "--set", "num_blocks=256"]
+RUN = ["--config", str(REPO / "config.toml"), "--set", "num_blocks=256"]  # the model is the calibration's
+COMMON = [*RUN, "--set", "model=tiny-random"]
 
 
 def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
@@ -28,7 +29,7 @@ def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
     cli.main(["calibrate", *COMMON, "--steps", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "cal.json")])
     cal = Calibration.load(tmp_path / "cal.json")
     assert cal.model == "tiny-random" and cal.dtype == "float32" and cal.cpu["model"] and cal.num_steps == real["num_steps"]
-    cli.main(["run", *COMMON, "--set", "policy=chunked", "--calibration", str(tmp_path / "cal.json"),
+    cli.main(["run", *RUN, "--set", "policy=chunked", "--calibration", str(tmp_path / "cal.json"),
               "--trace", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "sim")])
     summary = json.loads((tmp_path / "sim" / "results.json").read_text())
     sim = summary["results"]["chunked"]
@@ -43,7 +44,7 @@ def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
 
 def test_sweep_with_goodput(tmp_path, capsys):
     CAL.save(tmp_path / "cal.json")
-    cli.main(["run", *COMMON, "--calibration", str(tmp_path / "cal.json"), "--workload", "sharegpt-like",
+    cli.main(["run", *RUN, "--calibration", str(tmp_path / "cal.json"), "--workload", "sharegpt-like",
               "--rate", "2", "--duration-s", "20", "--slo-ttft-ms", "3000", "--slo-itl-ms", "400", "--goodput",
               "--sweep", "replicas=1,2", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "results.json").read_text())
@@ -60,11 +61,14 @@ def test_sweep_with_goodput(tmp_path, capsys):
     (["--goodput", "--slo-ttft-ms", "100"], "--duration-s"),
     (["--goodput"], "--slo"),
     (["--sweep", "router=random"], "router"),
+    (["--set", "kv_cache_dtype=float16"], "--set kv_cache_dtype: the simulator takes step times from the calibration"),
+    (["--set", "dtype=bfloat16"], "--set dtype: .*calibrate with it"),
+    (["--sweep", "weight_format=gguf,dequantized"], "--sweep weight_format: the simulator takes step times"),
 ])
 def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
     with pytest.raises(SystemExit, match=why):
-        cli.main(["run", *COMMON, "--calibration", str(tmp_path / "cal.json"), "--out", str(tmp_path), *args])
+        cli.main(["run", *RUN, "--calibration", str(tmp_path / "cal.json"), "--out", str(tmp_path), *args])
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["calibrate", "--help"]], ids=" ".join)
