@@ -253,6 +253,19 @@ def parse_value(key: str, text: str) -> Any:
         raise ValueError(f"config key {key!r}: bad value {text!r}") from None
 
 
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    """`--sweep KEY=V1,V2,...` -> (KEY, [V1, V2, ...]). Each run is named by its value, so a
+    value given twice is refused (its second run would silently replace the first's figures)."""
+    key, _, values = spec.partition("=")
+    if not values:
+        raise ValueError("--sweep wants KEY=V1,V2,...")
+    listed = values.split(",")
+    twice = sorted({v for v in listed if listed.count(v) > 1})
+    if twice:
+        raise ValueError(f"--sweep {key}: {', '.join(map(repr, twice))} given more than once")
+    return key, listed
+
+
 def _build(section_cls: type, values: dict[str, Any]) -> Any:
     hints = get_type_hints(section_cls)
     for key, value in list(values.items()):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import SECTIONS, EngineConfig, all_keys, section_of
+from engine.config import SECTIONS, EngineConfig, all_keys, parse_sweep, section_of
 
 CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
 
@@ -148,3 +148,11 @@ def test_an_integer_is_accepted_for_a_float_key_but_a_bool_is_not(tmp_path):
     assert config.cluster.replica_cpus == 2.0 and isinstance(config.cluster.replica_cpus, float)
     with pytest.raises(ValueError, match="replica_gpus"):
         EngineConfig.load(write_config(tmp_path, "[cluster]\nreplica_gpus = true\n"))
+
+
+def test_parse_sweep():
+    assert parse_sweep("max_step_ms=200,400") == ("max_step_ms", ["200", "400"])
+    with pytest.raises(ValueError, match="KEY=V1,V2"):
+        parse_sweep("max_step_ms")
+    with pytest.raises(ValueError, match="'200' given more than once"):
+        parse_sweep("max_step_ms=200,400,200")

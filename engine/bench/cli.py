@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from engine.bench import limit, llama_server, peers, report, workload
 from engine.bench.runner import run_in_process, run_remote
-from engine.config import EngineConfig, parse_value
+from engine.config import EngineConfig, parse_sweep, parse_value
 from engine.cpu import RESTRICT_ENV, cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
@@ -100,10 +100,10 @@ def _coerce(key: str, value: str):
 
 
 def _sweep(spec: str) -> tuple[str, list[str]]:
-    key, _, values = spec.partition("=")
-    if not values:
-        raise SystemExit("--sweep wants KEY=V1,V2,...")
-    return key, values.split(",")
+    try:
+        return parse_sweep(spec)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _ratio(a, b) -> float | None:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
-from engine.config import EngineConfig, ModelConfig, parse_value
+from engine.config import EngineConfig, ModelConfig, parse_sweep, parse_value
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -133,12 +133,13 @@ def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str
     """(name, config, replicas, router) per run."""
     if not args.sweep:
         return [(base.scheduler.policy, base, args.replicas, args.router)]
-    key, _, values = args.sweep.partition("=")
-    if not values:
-        raise SystemExit("--sweep wants KEY=V1,V2,...")
+    try:
+        key, values = parse_sweep(args.sweep)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     _refuse_calibrated("--sweep", key)
     out = []
-    for raw in values.split(","):
+    for raw in values:
         v = _coerce(key, raw)
         replicas, router, config = args.replicas, args.router, base
         if key == "replicas":

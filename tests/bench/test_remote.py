@@ -152,6 +152,12 @@ def test_cli_in_process_three_policies(tmp_path):
         assert (r["padding_waste_pct"] > 0) == (name == "static")
 
 
+def test_cli_sweep_refuses_a_value_given_twice(tmp_path):
+    """Runs are named by their value: a repeat used to replace the first run's row, silently."""
+    with pytest.raises(SystemExit, match="--sweep kv_cache_dtype: 'auto' given more than once"):
+        cli.main(["--sweep", "kv_cache_dtype=auto,float16,auto", "--no-plots", "--out", str(tmp_path)])
+
+
 def test_cli_sweep(tmp_path):
     summary = in_process(tmp_path, "--num-requests", "4", "--policies", "chunked",
                          "--sweep", "max_num_batched_tokens=16,32")

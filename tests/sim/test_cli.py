@@ -64,6 +64,7 @@ def test_sweep_with_goodput(tmp_path, capsys):
     (["--set", "kv_cache_dtype=float16"], "--set kv_cache_dtype: the simulator takes step times from the calibration"),
     (["--set", "dtype=bfloat16"], "--set dtype: .*calibrate with it"),
     (["--sweep", "weight_format=gguf,dequantized"], "--sweep weight_format: the simulator takes step times"),
+    (["--sweep", "max_step_ms=200,400,200"], "--sweep max_step_ms: '200' given more than once"),
 ])
 def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
