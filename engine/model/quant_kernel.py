@@ -5,10 +5,11 @@ fp32 activations, weights dequantized inside the kernel (exactly as the gguf pac
 fp32 accumulation, threads over output rows. A decode step reads ~0.6 byte per weight (Q4_1)
 instead of 4 (fp32), plus 0.25 for each Q4 block's scale pair in fp32 (`block_scales`): at one
 row a Q4 block costs more in instructions than in memory traffic, and the fp32 pairs spare it
-two fp16 conversions and their broadcasts. Q5_0, Q4_K and Q6_K run only that way: their pairs
-are (d, -16 d), (d sc, -dmin m) per 32 weights, and (d sc) per 16 for Q6_K, every one exact, so
-each weight is still what gguf's dequantize computes, bit for bit. Models run the k-quants
-repacked (`repack`: U4, U8, I8), in layouts that dequantize in fewer instructions.
+two fp16 conversions and their broadcasts. Q5_0 runs only that way (its pair is (d, -16 d)).
+The k-quants run only repacked (`repack`: U4, U8, I8, 32 weights a block, with their exact
+pairs (d sc, -dmin m) per 32, or (d sc) per 16), in layouts that dequantize in fewer
+instructions than the stored ones; `matmul` and `dequantize` repack a k-quant first. Each
+weight is still what gguf's dequantize computes, bit for bit.
 
 One build holds three code paths, picked per call: "avx512", "avx2" (+FMA) and "portable";
 `best_isa()` takes the best this CPU has (engine/cpu.py). Compiled at first use with -O3 only
@@ -46,10 +47,9 @@ KERNEL_TYPES = {"Q4_0": QType(2, 18, 32), "Q4_1": QType(3, 20, 32), "Q5_0": QTyp
                 "Q5_K": QType(13, 176, 256), "Q6_K": QType(14, 210, 256),
                 "U4": QType(100, 16, 32), "I8": QType(101, 32, 32), "U8": QType(102, 32, 32)}  # ours (repack)
 REPACKED = {"Q3_K": "I8", "Q4_K": "U4", "Q5_K": "U8", "Q6_K": "I8"}  # what repack makes of a type
-REPACKED_ONLY = ("Q3_K", "Q5_K")  # the C++ kernel runs only their repacked form (matmul / dequantize repack them first)
 GGUF_TYPES = tuple(t for t in KERNEL_TYPES if t not in REPACKED.values())  # the ones a GGUF file holds
 Q8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what matmul_q8 runs
-SCALES_ONLY = ("Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "U4", "I8", "U8")  # run only with their scales (GGUF types': made when a caller has none)
+SCALES_ONLY = ("Q5_0", "U4", "I8", "U8")  # the kernel runs them only with their scales (made when a caller has none)
 BLOCK = 32  # weights per scale pair (block_scales) and per int8 activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512": 2}
 
@@ -95,8 +95,8 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
            scales: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
     scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
-    (and which the SCALES_ONLY types need: made here when not given; Q5_K is repacked here)."""
-    if qtype in REPACKED_ONLY:
+    (and which the SCALES_ONLY types need: made here when not given; a k-quant is repacked here)."""
+    if qtype in REPACKED:
         blocks, qtype, scales = repack(blocks, qtype)
     return _product("matmul", x, blocks, qtype, isa, _needed_scales(blocks, qtype, scales))
 
@@ -104,7 +104,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
     """blocks: [N, K/block weights * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
-    if qtype in REPACKED_ONLY:
+    if qtype in REPACKED:
         blocks, qtype, scales = repack(blocks, qtype)
     t = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // t.bytes * t.weights
@@ -124,11 +124,11 @@ def repack(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str, torch.T
 
     Q4_K -> U4: each 32-weight slice's nibbles as Q4_0 orders them (byte j: weights j and j + 16),
     16 bytes, no header: dequantized as Q4_1 with fp32 pairs (~1.35x faster at one row than
-    Q4_K's, whose slices take every other nibble). Q6_K -> I8: the codes q - 32 as int8, one byte
+    Q4_K's stored layout was, whose slices take every other nibble). Q6_K -> I8: the codes q - 32 as int8, one byte
     a weight instead of 0.82, dequantized as Q8_0 with a scale per 16 (~2.2x faster than
     assembling 4 + 2 bits). Q5_K -> U8: its 5-bit codes a byte each, with Q4_K's pairs; Q3_K ->
     I8: its codes (2 low bits, minus 4 where the high-bit mask is clear), with its scales per 16
-    (these two only run so). Every weight stays what gguf's dequantize makes of the file."""
+    (the kernel runs every k-quant only so). Every weight stays what gguf's dequantize makes of the file."""
     if qtype not in REPACKED:
         return blocks, qtype, None
     scales, n = block_scales(blocks, qtype), blocks.shape[0]

@@ -1,8 +1,7 @@
 """The GGUF block kernel: its dequantization equals the gguf package's bit for bit, and its
 matmul equals dequantize-then-F.linear (~1e-5) on every code path this CPU can run, from the
-blocks' own fp16 scales and from their fp32 copies (block_scales) alike; Q5_0 and the k-quants
-Q4_K, Q6_K (256-weight super-blocks) from their fp32 scales, as stored and as models keep them
-(repack: U4, I8)."""
+blocks' own fp16 scales and from their fp32 copies (block_scales) alike; Q5_0 from its fp32
+scales, and the k-quants (256-weight super-blocks) repacked as the kernel runs them (U4, I8, U8)."""
 
 from __future__ import annotations
 
@@ -110,7 +109,8 @@ def test_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-# The k-quants' K is a multiple of their 256-weight super-block; the same row counts and paths.
+# The k-quants' K is a multiple of their 256-weight super-block; the same row counts and paths,
+# on the form the kernel runs them in (matmul repacks them first: U4, I8, U8).
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", K_QUANTS)
 @pytest.mark.parametrize("rows,n,k", [(1, 33, 256), (2, 50, 768), (3, 17, 512), (7, 70, 256), (12, 48, 256),
@@ -119,7 +119,7 @@ def test_k_quant_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows
     blocks = random_blocks(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = F.linear(x, reference_dequantize(blocks, qtype))
-    got = qk.matmul(x, blocks, qtype, isa, qk.block_scales(blocks, qtype))
+    got = qk.matmul(x, blocks, qtype, isa)
     assert got.shape == (rows, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
@@ -138,19 +138,6 @@ def test_repacked_k_quants_dequantize_to_ggufs_weights(qtype: str, isa: str):
         qk.block_scales(packed, packed_type)
     with pytest.raises(RuntimeError, match="run only with their fp32 scales"):
         torch.ops.stepwise_gguf.dequantize(packed, qk.KERNEL_TYPES[packed_type].id, 768, 0, torch.empty(37, 768), None)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", K_QUANTS)
-@pytest.mark.parametrize("rows,n,k", [(1, 33, 256), (2, 50, 768), (3, 17, 512), (7, 70, 256), (20, 53, 768),
-                                      (161, 19, 512)])
-def test_repacked_matmul_equals_dequantize_then_linear(qtype: str, isa: str, rows: int, n: int, k: int):
-    blocks = random_blocks(qtype, n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    want = F.linear(x, reference_dequantize(blocks, qtype))
-    packed, packed_type, scales = qk.repack(blocks, qtype)
-    got = qk.matmul(x, packed, packed_type, isa, scales)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_matmul_accepts_a_strided_row_view():
@@ -174,10 +161,13 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="unknown kernel path"):
         qk.isa_supported("neon")
     ops, k4 = torch.ops.stepwise_gguf, random_blocks("Q4_K", 4, 256, seed=6)
-    with pytest.raises(RuntimeError, match="type 12 run only with their fp32 scales"):
-        ops.matmul(torch.randn(2, 256), k4, 12, 256, 0, torch.empty(2, 4))
-    with pytest.raises(RuntimeError, match="K = 128 is not a multiple of the block size 256"):
-        ops.matmul(torch.randn(2, 128), k4[:, :72].contiguous(), 12, 128, 0, torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="unsupported ggml type 12 .*the k-quants run repacked"):
+        ops.matmul(torch.randn(2, 256), k4, 12, 256, 0, torch.empty(2, 4))  # stored Q4_K: qk.matmul repacks it
+    u4 = qk.repack(k4, "Q4_K")[0]
+    with pytest.raises(RuntimeError, match="type 100 run only with their fp32 scales"):
+        ops.matmul(torch.randn(2, 256), u4, 100, 256, 0, torch.empty(2, 4))
+    with pytest.raises(RuntimeError, match="K = 48 is not a multiple of the block size 32"):
+        ops.matmul(torch.randn(2, 48), u4[:, :24].contiguous(), 100, 48, 0, torch.empty(2, 4))
     with pytest.raises(RuntimeError, match="type 6 has no int8 kernel"):
         qk.matmul_q8(torch.randn(2, 64), random_blocks("Q5_0", 4, 64, seed=6), "Q5_0")
 

@@ -56,7 +56,7 @@ void add_part(Proj& p, const at::Tensor& weight, int64_t qtype, int64_t isa, con
               " parts of GGUF blocks");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % block_bytes(int(qtype)) == 0,
               "stepwise_gguf: blocks rows are not whole blocks of type ", qtype);
-  const int64_t K = weight.size(1) / block_bytes(int(qtype)) * block_weights(int(qtype));
+  const int64_t K = weight.size(1) / block_bytes(int(qtype)) * BLOCK_WEIGHTS;
   TORCH_CHECK(p.num_parts == 0 || K == p.K, "stepwise_gguf: stacked parts must share K (", p.K, " and ", K, ")");
   check_blocks(weight, qtype, K, isa);
   p.parts[p.num_parts++] = Part{weight.data_ptr<uint8_t>(), weight.size(0), weight.size(1), int(qtype),

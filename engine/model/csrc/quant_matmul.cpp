@@ -1,5 +1,5 @@
-// y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, and U4 / I8, the
-// forms Q4_K and Q6_K are repacked into at load), fp32 activations
+// y[T, N] = x[T, K] . dequant(W)[N, K]^T on GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, and U4 / I8 / U8, the
+// forms the k-quants are repacked into at load), fp32 activations
 // and fp32 accumulation, plus the dequantization itself; and the same product with x quantized
 // to int8 per 32-block (q8_matmul_impl.h). Built at first use by engine/model/quant_kernel.py;
 // registers torch.ops.stepwise_gguf.{matmul,dequantize,quantize_q8,matmul_q8}, the fused layer
@@ -37,7 +37,7 @@ namespace {
 #define STEPWISE_INLINE inline __attribute__((always_inline))
 
 // ggml's type ids
-constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8;
 // Ours (engine/model/quant_kernel.py, repack): the k-quants' codes laid out for the cheapest
 // dequantization, with their exact fp32 scales. U4: 16 bytes of nibbles per 32 weights as Q4_0
 // lays them out, no header, w = q s0 + s1 (Q4_K's pairs); I8: 32 int8 codes q - 32 per 32
@@ -49,16 +49,14 @@ constexpr int DIRECT_MAX_ROWS = 3;  // up to this many rows of x, no panel (see 
 constexpr int PREFETCH_GROUPS = 2;  // direct(): how many row groups ahead to prefetch
 constexpr int Q8_GROUP = 16;  // q8_rows(): weight rows per group (also the threads' grain)
 
-// A block: Q4_0, Q4_1, Q5_0, Q8_0 hold 32 weights; the k-quants Q4_K, Q6_K a super-block of 256.
-constexpr bool k_quant(int qt) { return qt == Q4_K || qt == Q6_K; }
-constexpr int64_t block_weights(int qt) { return k_quant(qt) ? 256 : 32; }
+// Every block holds 32 weights.
+constexpr int64_t BLOCK_WEIGHTS = 32;
 constexpr int64_t block_bytes(int qt) {
-  return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : qt == Q5_0 ? 22 : qt == Q8_0 ? 34 : qt == Q4_K ? 144 : qt == Q6_K ? 210
-       : qt == U4   ? 16 : 32;  // I8, U8
+  return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : qt == Q5_0 ? 22 : qt == Q8_0 ? 34 : qt == U4 ? 16 : 32;  // I8, U8
 }
 // The types whose weights the kernel takes only through their fp32 scale pairs (Job::scales):
-// Q5_0 (d, -16 d), Q4_K, U4 and U8 (d sc, -dmin m) per 32 weights, Q6_K and I8 (d sc) per 16, two to a 32.
-constexpr bool scales_only(int qt) { return qt == Q5_0 || k_quant(qt) || qt == U4 || qt == I8 || qt == U8; }
+// Q5_0 (d, -16 d), U4 and U8 (d sc, -dmin m) per 32 weights, I8 (d sc) per 16, two to a 32.
+constexpr bool scales_only(int qt) { return qt == Q5_0 || qt == U4 || qt == I8 || qt == U8; }
 bool known_type(int64_t qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0 || scales_only(int(qt)); }
 // columns of x packed k-major (matmul_rows): T rounded up to 16, a whole number of vectors on every path
 constexpr int64_t packed_rows(int64_t T) { return (T + 15) / 16 * 16; }
@@ -136,8 +134,8 @@ constexpr int SW = 16;
 
 void check_blocks(const at::Tensor& blocks, int64_t qtype, int64_t K, int64_t isa) {
   TORCH_CHECK(known_type(qtype), "stepwise_gguf: unsupported ggml type ", qtype,
-              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, U4 = 100, I8 = 101, U8 = 102)");
-  const int64_t bw = block_weights(int(qtype));
+              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, U4 = 100, I8 = 101, U8 = 102; the k-quants run repacked)");
+  const int64_t bw = BLOCK_WEIGHTS;
   TORCH_CHECK(K > 0 && K % bw == 0, "stepwise_gguf: K = ", K, " is not a multiple of the block size ", bw);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous(), "stepwise_gguf: blocks must be a contiguous uint8 CPU tensor [N, row bytes]");

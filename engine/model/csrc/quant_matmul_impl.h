@@ -6,11 +6,10 @@
 //
 // Block layouts (32 weights each, ggml's): Q4_0 = fp16 d, 16 bytes of nibbles, w = (q - 8) d;
 // Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles, w = q d + m; Q8_0 = fp16 d, 32 int8, w = q d.
-// Q5_0 and the k-quants Q4_K, Q6_K (256-weight super-blocks) run only with fp32 scales: their
-// layouts are at dequant_q5_0_scaled, dequant_q4_k_scaled and dequant_q6_k_scaled. Models
-// repack the k-quants at load into U4 (Q4_K's nibbles, as Q4_0 orders them), I8 (Q6_K's codes
-// as int8) and U8 (Q5_K's codes, which run only so), which take fewer instructions per weight
-// (dequant_q4_scaled, dequant_i8_scaled, dequant_u8_scaled).
+// Q5_0 runs only with fp32 scales (dequant_q5_0_scaled). The k-quants (256-weight super-blocks)
+// run only repacked (quant_kernel.repack), into layouts of 32 weights that take fewer
+// instructions per weight: U4 (Q4_K's nibbles, as Q4_0 orders them), I8 (Q6_K's and Q3_K's codes
+// as int8) and U8 (Q5_K's codes); dequant_q4_scaled, dequant_i8_scaled, dequant_u8_scaled.
 // Nibble j of a block is the low half of byte j (weights 0..15), the high half is weight j+16.
 // Every product q*d is exact in fp32 (at most 8 + 11 significant bits), so whether the
 // compiler fuses "q*d + m" or not, a dequantized weight equals gguf's numpy dequantization.
@@ -175,13 +174,6 @@ inline void dequant_u8_scaled(const uint8_t* b, const float* s, vf* w) {
 #endif
 }
 
-// Shifts by a count known at run time, lane by lane the same.
-#if STEPWISE_SW == 16
-inline __m512i shr(__m512i v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
-#elif STEPWISE_SW == 8
-inline __m256i shr(__m256i v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
-#endif
-
 // One Q5_0 block with its scale pair s = (d, -16 d) -> w[0..NV-1]. Layout: fp16 d, 32 high
 // bits qh (bit j: weight j's fifth bit), 16 bytes of nibbles as Q4_0's; w = (q - 16) d =
 // q * s0 + s1 exactly (q d has at most 5 + 11 significant bits).
@@ -218,74 +210,13 @@ inline void dequant_q5_0_scaled(const uint8_t* b, const float* s, vf* w) {
 #endif
 }
 
-// 32-weight slice j (0..7) of a Q4_K super-block sb, with its scale pair s = (d sc_j, -dmin m_j).
-// Layout: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, then 4 chunks of 32 bytes:
-// chunk c's low nibbles are slice 2c, its high nibbles slice 2c + 1. w = q s0 + s1, one rounding
-// of exact terms, as gguf's (d sc) q - dmin m.
-inline void dequant_q4_k_scaled(const uint8_t* sb, int j, const float* s, vf* w) {
-  const uint8_t* q = sb + 16 + (j >> 1) * 32;
-  const int shift = (j & 1) * 4;
-#if STEPWISE_SW == 16
-  const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * h)));
-    w[h] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(shr(c, shift), _mm512_set1_epi32(15))), d, m);
-  }
-#elif STEPWISE_SW == 8
-  const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
-  for (int h = 0; h < 4; ++h) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * h)));
-    w[h] = (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(shr(c, shift), _mm256_set1_epi32(15))), d, m);
-  }
-#else
-  float tmp[32];
-  for (int i = 0; i < 32; ++i) tmp[i] = float((q[i] >> shift) & 15) * s[0] + s[1];
-  std::memcpy(w, tmp, sizeof tmp);
-#endif
-}
-
-// 32-weight slice g (0..7) of a Q6_K super-block sb, with the scales of its two 16-weight
-// halves s = (d sc_2g, d sc_2g+1). Layout: ql[128] (4-bit low parts: 2 halves of 64 bytes, low
-// nibbles then high nibbles), qh[64] (2-bit high parts: 2 halves of 32 bytes, 4 slices per
-// byte), 16 int8 scales, fp16 d; q = low | high << 4, w = (q - 32) s: one rounding, as gguf's.
-inline void dequant_q6_k_scaled(const uint8_t* sb, int g, const float* s, vf* w) {
-  const uint8_t* ql = sb + (g >> 2) * 64 + (g & 1) * 32;
-  const uint8_t* qh = sb + 128 + (g >> 2) * 32;
-  const int sl = ((g >> 1) & 1) * 4, sh = (g & 3) * 2;
-#if STEPWISE_SW == 16
-  for (int h = 0; h < 2; ++h) {
-    const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ql + 16 * h)));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qh + 16 * h)));
-    const __m512i q = _mm512_or_si512(_mm512_and_si512(shr(l, sl), _mm512_set1_epi32(15)),
-                                      _mm512_slli_epi32(_mm512_and_si512(shr(hi, sh), _mm512_set1_epi32(3)), 4));
-    w[h] = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))), _mm512_set1_ps(s[h]));
-  }
-#elif STEPWISE_SW == 8
-  for (int h = 0; h < 4; ++h) {
-    const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(ql + 8 * h)));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qh + 8 * h)));
-    const __m256i q = _mm256_or_si256(_mm256_and_si256(shr(l, sl), _mm256_set1_epi32(15)),
-                                      _mm256_slli_epi32(_mm256_and_si256(shr(hi, sh), _mm256_set1_epi32(3)), 4));
-    w[h] = (vf)_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))), _mm256_set1_ps(s[h >> 1]));
-  }
-#else
-  float tmp[32];
-  for (int i = 0; i < 32; ++i) tmp[i] = float((((ql[i] >> sl) & 15) | ((qh[i] >> sh) & 3) << 4) - 32) * s[i >> 4];
-  std::memcpy(w, tmp, sizeof tmp);
-#endif
-}
-
-// 32-weight slice b of weight row n: from the fp32 scales (SCALED, or a scales_only type) or
-// from the block's own. A k-quant's slice b is slice b % 8 of super-block b / 8.
+// 32-weight block b of weight row n: from the fp32 scales (SCALED, or a scales_only type) or
+// from the block's own.
 template <int QT, bool SCALED>
 inline void dequant_at(const uint8_t* blocks, int64_t row_bytes, const float* scales, int64_t nb, int64_t n, int64_t b,
                        vf* w) {
   const uint8_t* row = blocks + n * row_bytes;
-  if constexpr (QT == Q4_K)
-    dequant_q4_k_scaled(row + (b >> 3) * block_bytes(QT), int(b & 7), scales + (n * nb + b) * 2, w);
-  else if constexpr (QT == Q6_K)
-    dequant_q6_k_scaled(row + (b >> 3) * block_bytes(QT), int(b & 7), scales + (n * nb + b) * 2, w);
-  else if constexpr (QT == Q5_0)
+  if constexpr (QT == Q5_0)
     dequant_q5_0_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
   else if constexpr (QT == I8)
     dequant_i8_scaled(row + b * block_bytes(QT), scales + (n * nb + b) * 2, w);
@@ -484,8 +415,6 @@ inline void matmul(const Job& a, int64_t n0, int64_t n1, float* scratch) {
     case Q4_0: return matmul_rows<Q4_0>(a, n0, n1, scratch);
     case Q4_1: return matmul_rows<Q4_1>(a, n0, n1, scratch);
     case Q5_0: return matmul_rows<Q5_0>(a, n0, n1, scratch);
-    case Q4_K: return matmul_rows<Q4_K>(a, n0, n1, scratch);
-    case Q6_K: return matmul_rows<Q6_K>(a, n0, n1, scratch);
     case U4: return matmul_rows<U4>(a, n0, n1, scratch);
     case I8: return matmul_rows<I8>(a, n0, n1, scratch);
     case U8: return matmul_rows<U8>(a, n0, n1, scratch);
@@ -498,8 +427,6 @@ inline void dequant(const Job& a, int64_t n0, int64_t n1) {
     case Q4_0: return dequant_rows<Q4_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case Q4_1: return dequant_rows<Q4_1>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case Q5_0: return dequant_rows<Q5_0>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
-    case Q4_K: return dequant_rows<Q4_K>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
-    case Q6_K: return dequant_rows<Q6_K>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case U4: return dequant_rows<U4>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case I8: return dequant_rows<I8>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
     case U8: return dequant_rows<U8>(a.blocks, a.row_bytes, a.scales, a.K, a.out + n0 * a.K, n0, n1);
