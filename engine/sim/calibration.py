@@ -10,7 +10,7 @@ Two models over a step's composition (`engine.step_cost`'s terms):
 A simulated step lasts forward + overhead; the scheduler sees forward as its `forward_s`, as
 it would in the engine. The forward is the prediction times a ratio drawn from the fitted
 steps' own actual / predicted ratios (`forward_ratios`, engine/sim/noise.py). Saved as JSON
-with the CPU, model name and dtype it was measured on.
+with the CPU, model name, dtype and KV cache dtype it was measured on.
 
 Two regimes: on the GGUF path a step of at most kernel_max_rows rows (engine/cpu.py; tokens: 64
 on AVX2, 8 on AVX-512, 16 for gguf-q8's int8 kernel) runs the block kernel and a larger one the dense fp32 GEMM
@@ -53,6 +53,7 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     sustained: float = 0.0
     model: str = ""
     dtype: str = ""
+    kv_cache_dtype: str = ""  # the KV cache's element type ("" in calibrations from before it was recorded)
     cpu: dict = {}
     max_model_len: int | None = None  # the model's context (requests longer are refused, as intake does)
     source: str = ""

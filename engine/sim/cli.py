@@ -249,7 +249,8 @@ def _run(args) -> dict:
         "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": args.rate,
                                 "arrival": args.arrival, "cv": args.cv},
         "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
-        "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype, "cpu": cal.cpu,
+        "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype,
+                        "kv_cache_dtype": cal.kv_cache_dtype or None, "cpu": cal.cpu,
                         "source": cal.source, "forward_error_p50": cal.forward_error_p50},
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "target_fraction": goodput.TARGET},
         "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
@@ -324,7 +325,9 @@ def _calibrate(args) -> Calibration:
     try:
         split = (kernel_max_rows(kernel_isa(), base.model.weight_format == "gguf-q8") if args.split_rows is None
                  else args.split_rows or None)
-        cal = fit(records, split_rows=split, model=model, dtype=args.dtype or base.model.dtype,
+        dtype = args.dtype or base.model.dtype
+        kv_dtype = dtype if base.cache.kv_cache_dtype == "auto" else base.cache.kv_cache_dtype
+        cal = fit(records, split_rows=split, model=model, dtype=dtype, kv_cache_dtype=kv_dtype,
                   cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -341,7 +344,7 @@ def main(argv=None) -> None:
               f"{cal.overhead['sequence'] * 1000:.3f} ms/sequence"
               + (f"; steps of <= {cal.split_rows} rows fitted apart" if cal.split_rows else "")
               + f"; long steps {cal.sustained * 100:.2f} % slower per second predicted")
-        print(f"model {cal.model} ({cal.dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
+        print(f"model {cal.model} ({cal.dtype}, KV {cal.kv_cache_dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
         return
     summary = _run(args)
     cal = summary["calibration"]

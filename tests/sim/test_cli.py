@@ -29,6 +29,10 @@ def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
     cli.main(["calibrate", *COMMON, "--steps", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "cal.json")])
     cal = Calibration.load(tmp_path / "cal.json")
     assert cal.model == "tiny-random" and cal.dtype == "float32" and cal.cpu["model"] and cal.num_steps == real["num_steps"]
+    assert cal.kv_cache_dtype == "float32"  # "auto": the model's
+    cli.main(["calibrate", *COMMON, "--set", "kv_cache_dtype=float16", "--steps", str(tmp_path / "steps.jsonl"),
+              "--out", str(tmp_path / "cal16.json")])  # as for steps of a float16-KV run: recorded as said
+    assert Calibration.load(tmp_path / "cal16.json").kv_cache_dtype == "float16"
     cli.main(["run", *RUN, "--set", "policy=chunked", "--calibration", str(tmp_path / "cal.json"),
               "--trace", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "sim")])
     summary = json.loads((tmp_path / "sim" / "results.json").read_text())
