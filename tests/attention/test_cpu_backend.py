@@ -2,18 +2,25 @@
 plus greedy parity with transformers on the real model. Skipped where the kernel cannot be
 built (no compiler / ninja)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.attention.cpu_backend import CpuAttention, cpu_kernel_available
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
+from engine.cpu import RESTRICT_ENV, cpu_info
 from tests.attention.batches import make_batch
 
 if not cpu_kernel_available():
     pytest.skip("CPU attention kernel cannot be built here", allow_module_level=True)
 
 NUM_BLOCKS = 128
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_both(seqs, tokens_per_tile=8, **kw):
@@ -80,6 +87,17 @@ def test_narrow_cache_matches_torch(dtype, cache_dtype, d):
     """A kv_cache_dtype narrower than q: both backends store the same rounded rows (bit-equal
     caches) and read them back widened, so their outputs agree as closely as for one dtype."""
     check(MIXED, d=d, dtype=dtype, cache_dtype=cache_dtype, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.skipif(not cpu_info().has("fma"), reason="this CPU lacks FMA: no restricted build to make")
+def test_narrow_cache_without_f16c():
+    """A build without F16C (STEPWISE_CPU_FEATURES=fma: -mfma only) converts fp16 rows with c10's
+    scalar code instead of vcvtph2ps / vcvtps2ph; it must store and read the same values."""
+    code = ("import torch; from tests.attention.test_cpu_backend import MIXED, check\n"
+            "for d in (64, 20): check(MIXED, d=d, cache_dtype=torch.float16)\nprint('narrow ok')")
+    env = {**os.environ, RESTRICT_ENV: "fma"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "narrow ok" in run.stdout, run.stderr[-3000:]
 
 
 def test_narrow_cache_is_close_to_a_full_one():
