@@ -17,6 +17,7 @@ a sliding window (query at position p sees keys p - window + 1 .. p, transformer
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,7 +105,10 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
         else:
             from engine.attention.cpu_backend import cpu_kernel_available, cpu_kernel_dtypes
 
-            name = "cpu" if cpu_kernel_dtypes(dtype, kv_dtype) is None and cpu_kernel_available() else "torch"
+            refusal = cpu_kernel_dtypes(dtype, kv_dtype)
+            if refusal is not None:
+                print(f"[stepwise] attention_backend auto: torch, since {refusal}", file=sys.stderr)
+            name = "cpu" if refusal is None and cpu_kernel_available() else "torch"
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' is a CPU kernel; this engine runs on {device.type} (use 'auto')")
     if name == "cpu":

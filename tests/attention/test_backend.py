@@ -26,7 +26,7 @@ def test_cpu_kernel_on_cuda_and_unknown_names_are_refused():
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="no CPU attention kernel")
-def test_cpu_kernel_dtypes():
+def test_cpu_kernel_dtypes(capsys):
     """The kernel takes float32 / bfloat16 activations over a cache of their dtype or a narrower
     one (kv_cache_dtype); `auto` falls back to torch for the rest, `cpu` by name refuses them."""
     cpu = torch.device("cpu")
@@ -34,6 +34,7 @@ def test_cpu_kernel_dtypes():
                       (torch.bfloat16, None), (torch.bfloat16, torch.float16)]:
         assert get_backend("auto", cpu, dtype, kv).name == "cpu" == get_backend("cpu", cpu, dtype, kv).name
     assert get_backend("auto", cpu, torch.float16).name == "torch"
+    assert "attention_backend auto: torch, since the CPU kernel runs float32 or bfloat16 models" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not dtype float16"):
         get_backend("cpu", cpu, torch.float16)
     with pytest.raises(ValueError, match="cannot read a float32 KV cache \\(kv_cache_dtype\\) under a bfloat16 model"):
