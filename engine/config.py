@@ -105,6 +105,10 @@ class CacheConfig:
         _require(self.num_blocks >= 1, "num_blocks", "must be >= 1")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
 
+    def kv_dtype_for(self, model_dtype: str) -> str:
+        """The KV cache's element type (a DTYPES name) under a model of `model_dtype`."""
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -89,7 +89,8 @@ class Engine:
         dtype = DTYPES[cfg.model.dtype]
         on_thread = functools.partial(asyncio.get_running_loop().run_in_executor, thread)
         loaded = self._loaded or await on_thread(load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype)
-        kv_dtype = dtype if cfg.cache.kv_cache_dtype == "auto" else DTYPES[cfg.cache.kv_cache_dtype]
+        kv_name = cfg.cache.kv_dtype_for(cfg.model.dtype)
+        kv_dtype = DTYPES[kv_name]
         # may compile the kernel; refuses a backend that cannot run these dtypes
         backend = await on_thread(get_backend, cfg.model.attention_backend, device, dtype, kv_dtype)
         model = await on_thread(LlamaModel, loaded.hf_model, backend, device, cfg.model.linear_backend,
@@ -106,7 +107,7 @@ class Engine:
         print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears, "
               f"{model.weight_format} weights; "
               f"KV pool {cfg.cache.num_blocks} blocks x {cfg.cache.block_size} tokens = "
-              f"{kv_cache.num_bytes / 2**20:.0f} MiB ({str(kv_dtype).removeprefix('torch.')})", file=sys.stderr)
+              f"{kv_cache.num_bytes / 2**20:.0f} MiB ({kv_name})", file=sys.stderr)
         self.max_model_len = shape.max_position
         self.block_manager = BlockManager(cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         self.executor = Executor(model, kv_cache, self._fault_hook, thread)

@@ -156,3 +156,9 @@ def test_parse_sweep():
         parse_sweep("max_step_ms")
     with pytest.raises(ValueError, match="'200' given more than once"):
         parse_sweep("max_step_ms=200,400,200")
+
+
+def test_kv_dtype_for():
+    """auto: the model's dtype; otherwise the kv_cache_dtype asked for."""
+    assert EngineConfig.load(CONFIG).cache.kv_dtype_for("bfloat16") == "bfloat16"
+    assert EngineConfig.load(CONFIG, kv_cache_dtype="float16").cache.kv_dtype_for("float32") == "float16"

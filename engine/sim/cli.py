@@ -326,8 +326,7 @@ def _calibrate(args) -> Calibration:
         split = (kernel_max_rows(kernel_isa(), base.model.weight_format == "gguf-q8") if args.split_rows is None
                  else args.split_rows or None)
         dtype = args.dtype or base.model.dtype
-        kv_dtype = dtype if base.cache.kv_cache_dtype == "auto" else base.cache.kv_cache_dtype
-        cal = fit(records, split_rows=split, model=model, dtype=dtype, kv_cache_dtype=kv_dtype,
+        cal = fit(records, split_rows=split, model=model, dtype=dtype, kv_cache_dtype=base.cache.kv_dtype_for(dtype),
                   cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
