@@ -96,21 +96,27 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, isa: str | None = 
     """x: [T, K] float32, blocks: [N, K/block weights * block bytes] uint8 -> [T, N] float32.
     scales: the blocks' block_scales, which spare the kernel two fp16 conversions per Q4 block
     (and which the SCALES_ONLY types need: made here when not given; a k-quant is repacked here)."""
-    if qtype in REPACKED:
-        blocks, qtype, scales = repack(blocks, qtype)
+    blocks, qtype, scales = _runnable(blocks, qtype, scales)
     return _product("matmul", x, blocks, qtype, isa, _needed_scales(blocks, qtype, scales))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, isa: str | None = None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
     """blocks: [N, K/block weights * block bytes] uint8 -> [N, K] float32, equal to gguf's dequantize."""
-    if qtype in REPACKED:
-        blocks, qtype, scales = repack(blocks, qtype)
+    blocks, qtype, scales = _runnable(blocks, qtype, scales)
     t = KERNEL_TYPES[qtype]
     k = blocks.shape[1] // t.bytes * t.weights
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
     _KERNEL.get().dequantize(blocks, t.id, k, _isa_id(isa), out, _needed_scales(blocks, qtype, scales))
     return out
+
+
+def _runnable(blocks: torch.Tensor, qtype: str, scales: torch.Tensor | None) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """A k-quant repacked, keeping the caller's scales where given (they are its block_scales)."""
+    if qtype not in REPACKED:
+        return blocks, qtype, scales
+    blocks, qtype, own = repack(blocks, qtype)
+    return blocks, qtype, own if scales is None else scales
 
 
 def _needed_scales(blocks: torch.Tensor, qtype: str, scales: torch.Tensor | None) -> torch.Tensor | None:

@@ -147,6 +147,15 @@ def test_matmul_accepts_a_strided_row_view():
     torch.testing.assert_close(qk.matmul(x[::2], blocks, "Q4_1"), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_k_quants_given_scales_are_used(qtype):
+    """The scales a caller passes for a k-quant are the ones applied, never silently replaced by repack's."""
+    blocks, x = random_blocks(qtype, 6, 256, seed=8), torch.randn(3, 256)
+    doubled = 2 * qk.block_scales(blocks, qtype)
+    torch.testing.assert_close(qk.matmul(x, blocks, qtype, scales=doubled), 2 * qk.matmul(x, blocks, qtype))
+    torch.testing.assert_close(qk.dequantize(blocks, qtype, scales=doubled), 2 * qk.dequantize(blocks, qtype))
+
+
 def test_bad_inputs_are_refused():
     blocks = random_blocks("Q8_0", 4, 64, seed=6)
     with pytest.raises(RuntimeError, match="hold K"):
