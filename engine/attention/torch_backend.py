@@ -107,13 +107,26 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self) -> None:
-        self._workspace = torch.empty(0)
+        self._workspaces: dict[torch.dtype, torch.Tensor] = {}  # one per dtype: the cache's, and q's over a narrow cache
 
-    def _buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat buffers of n elements each (grown when a step needs more)."""
-        if self._workspace.numel() < 2 * n or self._workspace.dtype != like.dtype or self._workspace.device != like.device:
-            self._workspace = torch.empty(2 * n, dtype=like.dtype, device=like.device)
-        return self._workspace[:n], self._workspace[n : 2 * n]
+        ws = self._workspaces.get(dtype)
+        if ws is None or ws.numel() < 2 * n or ws.device != device:
+            ws = self._workspaces[dtype] = torch.empty(2 * n, dtype=dtype, device=device)
+        return ws[:n], ws[n : 2 * n]
+
+    def _gather(self, k_flat, v_flat, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at slots of both caches ([S, KVH, D] each), in dtype: a narrow cache
+        (kv_cache_dtype) is widened into a second workspace rather than a fresh copy per layer."""
+        n = slots.numel() * k_flat[0].numel()
+        k_buf, v_buf = (b.view(-1, *k_flat.shape[1:]) for b in self._buffers(n, k_flat.dtype, k_flat.device))
+        torch.index_select(k_flat, 0, slots, out=k_buf)
+        torch.index_select(v_flat, 0, slots, out=v_buf)
+        if k_flat.dtype == dtype:
+            return k_buf, v_buf
+        k_wide, v_wide = (b.view_as(k_buf) for b in self._buffers(n, dtype, k_flat.device))
+        return k_wide.copy_(k_buf), v_wide.copy_(v_buf)
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         device = meta.slot_mapping.device
@@ -179,10 +192,7 @@ class TorchAttention:
             k_flat = k_cache.view(-1, kv_heads, head_dim)
             v_flat = v_cache.view(-1, kv_heads, head_dim)
             max_len = d.slots.shape[1]
-            k_buf, v_buf = self._buffers(bd * max_len * kv_heads * head_dim, k_cache)
-            slots = d.slots.view(-1)
-            k_buf = torch.index_select(k_flat, 0, slots, out=k_buf.view(-1, kv_heads, head_dim)).to(q.dtype)
-            v_buf = torch.index_select(v_flat, 0, slots, out=v_buf.view(-1, kv_heads, head_dim)).to(q.dtype)
+            k_buf, v_buf = self._gather(k_flat, v_flat, d.slots.view(-1), q.dtype)
             ks = k_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)  # [Bd, KVH, Lmax, D]
             vs = v_buf.view(bd, max_len, kv_heads, head_dim).permute(0, 2, 1, 3)
             # Fold the query heads of one kv head into the query axis: no repeat of K/V.
