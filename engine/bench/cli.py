@@ -112,17 +112,6 @@ def _ratio(a, b) -> float | None:
     return a / b
 
 
-def _finite(obj):
-    """NaN/inf (a percentile of nothing) -> None, so results.json is strict JSON (null)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _peers(args) -> list[str]:
     """The --peer names, checked before the model loads."""
     if not args.peer:
@@ -240,7 +229,7 @@ async def _bench(args) -> dict:
             budget = None
             plots += report.plot(runs, out_dir, budget)
     summary["plots"] = plots
-    summary = _finite(summary)
+    summary = report.strict_json(summary)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
 

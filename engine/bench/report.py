@@ -59,6 +59,17 @@ COLUMNS = [
 ]
 
 
+def strict_json(obj):
+    """NaN/inf (a percentile of nothing) -> None, so a results file is strict JSON (null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def table(results: dict[str, dict]) -> str:
     cols = [c for c in COLUMNS if any(c[0] in r for r in results.values())]
     head = "| target | " + " | ".join(c[1] for c in cols) + " |"

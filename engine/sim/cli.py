@@ -256,7 +256,7 @@ def _run(args) -> dict:
         "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
     }
     summary["plots"] = [] if args.no_plots else _plots(args, targets, results, runs, found, out_dir)
-    summary = _finite(summary)
+    summary = report.strict_json(summary)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
 
@@ -290,15 +290,6 @@ def _plots(args, targets, results: dict, runs: dict, found: dict, out_dir: Path)
         return []
     return report.plot(runs, out_dir, None)
 
-
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 # --- calibrate ------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_table_renders_missing_values():
 def test_ratios_and_json_safety():
     assert cli._ratio(2.0, 4.0) == 0.5
     assert cli._ratio(1.0, 0.0) is None and cli._ratio(float("nan"), 1.0) is None and cli._ratio(None, 1.0) is None
-    assert cli._finite({"a": [float("nan"), 1.5], "b": float("inf"), "c": "x"}) == {"a": [None, 1.5], "b": None, "c": "x"}
+    assert report.strict_json({"a": [float("nan"), 1.5], "b": float("inf"), "c": "x"}) == {"a": [None, 1.5], "b": None, "c": "x"}
 
 
 @pytest.mark.parametrize("argv, message", [
