@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+HEADROOM = 0.9  # the most of the free memory a pool may take: the rest is for the steps' activations
+
 
 class KVCache:
     def __init__(
@@ -25,6 +27,7 @@ class KVCache:
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        _require_fits(num_blocks, num_layers * 2 * block_size * num_kv_heads * head_dim, dtype, torch.device(device))
         # zeros, not empty: pages are touched now, so RSS at start shows the real footprint
         self.data = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
@@ -46,3 +49,30 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for a new allocation on device: the kernel's MemAvailable on CPU (None
+    where /proc/meminfo is missing), the CUDA allocator's free memory on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _require_fits(num_blocks: int, block_elements: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, naming num_blocks, a pool larger than the memory free for it: zeroing it would
+    otherwise end in the OOM killer (no message) or in swap."""
+    free, block_bytes = available_bytes(device), block_elements * dtype.itemsize
+    if free is None or num_blocks * block_bytes <= HEADROOM * free:
+        return
+    hint = " (kv_cache_dtype = \"float16\" halves a block)" if dtype.itemsize == 4 else ""
+    raise ValueError(f"[cache] num_blocks = {num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB for the KV pool "
+                     f"({block_bytes / 2**20:.2f} MiB a block), but {device.type} has {free / 2**30:.1f} GiB free: "
+                     f"set num_blocks to at most {int(HEADROOM * free // block_bytes)}{hint}")
