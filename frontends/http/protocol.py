@@ -15,7 +15,7 @@ error names the field the client sent (the engine's is `logprobs`).
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -56,8 +56,8 @@ class SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    priority: int = 0
+    ignore_eos: bool | None = False  # null = absent for these too: __post_init__ sets the default back
+    priority: int | None = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -65,11 +65,19 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: int | None = None
     user: str | None = None  # an end-user id for the caller's own records; no effect here
     n: int | None = None  # choices per prompt (None: 1)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # OpenAI's structured output
     guided_json: dict | bool | str | None = None  # vLLM's (older) name for a JSON schema
     structured_outputs: dict | None = None  # vLLM's {"json": schema}
+
+    NULL_DEFAULTS: ClassVar[dict[str, object]] = {"ignore_eos": False, "priority": 0, "stream": False}
+
+    def __post_init__(self) -> None:
+        """`null` counts as absent (fields.py): a field whose default is not None takes it back."""
+        for name, default in self.NULL_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
     @property
     def include_usage(self) -> bool:
@@ -149,8 +157,10 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
 class CompletionRequest(SamplingFields, kw_only=True):
     # a string, a list of token ids, or a batch: a list of strings or of token-id lists
     prompt: str | list[str | int | list[int]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
+
+    NULL_DEFAULTS: ClassVar[dict[str, object]] = {**SamplingFields.NULL_DEFAULTS, "echo": False}
 
     def resolved_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default
@@ -217,8 +227,10 @@ class ChatRequest(SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+
+    NULL_DEFAULTS: ClassVar[dict[str, object]] = {**SamplingFields.NULL_DEFAULTS, "logprobs": False}
 
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

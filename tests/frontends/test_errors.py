@@ -21,7 +21,7 @@ BAD = [
     (COMPLETIONS, b'{"max_tokens": 3}', 400, "prompt", "missing required field `prompt`"),
     (COMPLETIONS, b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens", "Expected `int | null`, got `str`"),
     (COMPLETIONS, b'{"prompt": "x", "temperature": "hot"}', 400, "temperature", "Expected `float | null`"),
-    (COMPLETIONS, b'{"prompt": "x", "stream": "yes"}', 400, "stream", "Expected `bool`"),
+    (COMPLETIONS, b'{"prompt": "x", "stream": "yes"}', 400, "stream", "Expected `bool | null`"),
     (COMPLETIONS, b'{"prompt": {"a": 1}}', 400, "prompt", "Expected `str | array`"),
     (COMPLETIONS, b'{"prompt": "x", "stream_options": {"include_usage": 1}}', 400, "stream_options.include_usage", "bool"),
     (COMPLETIONS, b'{"prompt": "x", "temperature": -0.5}', 400, "temperature", "temperature must be in [0, 100]"),

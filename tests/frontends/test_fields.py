@@ -47,6 +47,24 @@ async def test_neutral_values_and_nulls_are_accepted(tiny, endpoint):
         assert resp.status == 200, (extra, await resp.text())
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_a_null_implemented_field_is_its_default(tiny, endpoint):
+    """Clients that serialise unset options as null (pydantic dumps) get the defaults, for every
+    field a request may leave out: the same body as without them, not a 400."""
+    _, client = tiny
+    required = {"completions": {"prompt"}, "chat": {"messages"}}[endpoint]
+    plain = {**BASE[endpoint], "temperature": 0, "max_tokens": 6}
+    nulls = {name: None for name in IMPLEMENTED[endpoint] - required - set(plain)}
+    bodies = []
+    for body in (plain, {**plain, **nulls}):
+        resp = await client.post(PATHS[endpoint], json=body)
+        assert resp.status == 200, (body, await resp.text())
+        bodies.append(await resp.json())
+    assert bodies[0]["choices"] == bodies[1]["choices"]
+    counts = [{k: b["usage"][k] for k in ("prompt_tokens", "completion_tokens")} for b in bodies]  # not the cache hits
+    assert counts[0] == counts[1]
+
+
 OTHER = {"completions": "chat", "chat": "completions"}
 UNRECOGNIZED = [(endpoint, name) for endpoint in ("completions", "chat")
                 for name in ["temprature", "not_a_field_of_any_api", *sorted(ALIASES),
