@@ -71,6 +71,7 @@ class Executor:
         return StepResult(
             step=plan.step, sampled=out.sampled, start_time=start_wall, duration_s=time.perf_counter() - start,
             forward_s=out.forward_s, error=error, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+            failed=out.failed,
         )
 
     @torch.inference_mode()  # the logits are inference tensors: processing updates them in place
@@ -102,10 +103,11 @@ class Executor:
             chosen = [d for c in chosen for d in (c, *_fork_items(c))]
         want_logprobs = [j for j, c in enumerate(chosen) if c.logprobs >= 0]
         raw = logits[want_logprobs].clone() if want_logprobs else None  # [L, V]: before processing
+        grammars = [c.grammar for c in chosen]
+        constrain(logits, grammars)  # structured-output rows: only what their grammar allows (first, as vLLM)
         if needs_processing(chosen):
             logits = process_logits(logits, chosen)
-        grammars = [c.grammar for c in chosen]
-        constrain(logits, grammars)  # structured-output rows: only what their grammar allows
+        failed = _unsampleable(logits, chosen)  # [S] rows left without a token: their requests fail alone
         tokens = sample(
             logits,
             [c.temperature for c in chosen],
@@ -113,12 +115,31 @@ class Executor:
             [c.top_p for c in chosen],
             [c.generator for c in chosen],
         )
-        advance(grammars, tokens)
+        for j in advance(grammars, tokens):
+            failed.setdefault(j, f"the structured-output grammar refused sampled token {tokens[j]}")
         logprobs = {}
         if raw is not None:
             entries = token_logprobs(raw, [tokens[j] for j in want_logprobs], [chosen[j].logprobs for j in want_logprobs])
             logprobs = {chosen[j].request_id: e for j, e in zip(want_logprobs, entries)}
-        return StepOutcome({c.request_id: t for c, t in zip(chosen, tokens)}, forward_s, logprobs, prompt_logprobs)
+        sampled = {c.request_id: t for j, (c, t) in enumerate(zip(chosen, tokens)) if j not in failed}
+        return StepOutcome(sampled, forward_s, {r: e for r, e in logprobs.items() if r in sampled}, prompt_logprobs,
+                           {chosen[j].request_id: why for j, why in failed.items()})
+
+
+def _unsampleable(logits: torch.Tensor, chosen: list[PlanItem]) -> dict[int, str]:
+    """Rows whose masks and processing left no finite logit, each with why; those rows are
+    zeroed so the batch still samples (their tokens are dropped). One such request (structured
+    output whose grammar can only end while min_tokens masks EOS) must not fail the others."""
+    empty = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()  # [S] -> rows with nothing left
+    failed = {}
+    for j in empty:
+        c = chosen[j]
+        failed[j] = ("no token can be sampled: the structured-output grammar allows only tokens that min_tokens "
+                     "masks (EOS and stop_token_ids) or logit_bias removes" if c.grammar is not None else
+                     "no token can be sampled: every token's logit is -inf or NaN after logit_bias, "
+                     "penalties and min_p")
+        logits[j] = 0.0
+    return failed
 
 
 def _fork_items(item: PlanItem) -> list[PlanItem]:

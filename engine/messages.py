@@ -178,6 +178,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float  # the whole step in the executor: batch building, forward, sampling
     forward_s: float = 0.0  # the model forward alone (0 when the step failed before it)
     error: str | None = None  # the step failed: every request in it ends with "error"
+    failed: dict[str, str] = {}  # request id -> why its row had no token to sample: it ends with "error", the rest go on
     logprobs: dict[str, TokenLogprob] = {}  # request id -> its sampled token's, when asked for
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}  # request id -> (position of the first, entries)
 
@@ -227,3 +228,4 @@ class StepOutcome(NamedTuple):
     forward_s: float
     logprobs: dict[str, TokenLogprob] = {}
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}  # request -> (first position, entries)
+    failed: dict[str, str] = {}  # request -> why none of its row's tokens could be sampled

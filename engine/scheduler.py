@@ -361,6 +361,11 @@ class Scheduler:
         for d in decisions:
             if d.request.pending_forks and d.request.request_id in result.sampled:
                 self._fork(d.request)
+        for request_id, why in result.failed.items():  # rows left with nothing to sample: these alone end
+            req = self.requests.get(request_id)
+            if req is not None and req.status is Status.RUNNING:
+                self._remove(req)
+                self._finish(req, "error", why)
         stopped, ttft, itl = self.outputs.process(self.requests, result)
         for req, reason, token in stopped:
             self.running.remove(req)

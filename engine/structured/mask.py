@@ -24,9 +24,9 @@ def constrain(logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
-def advance(matchers: Sequence[xgr.GrammarMatcher | None], tokens: Sequence[int]) -> None:
-    """Accept each constrained row's sampled token. A token the mask allowed is always accepted;
-    a refusal means the mask and the matcher disagree, and fails the step loudly."""
-    for i, m in enumerate(matchers):
-        if m is not None and not m.is_terminated() and not m.accept_token(tokens[i]):
-            raise RuntimeError(f"grammar refused sampled token {tokens[i]} (row {i})")
+def advance(matchers: Sequence[xgr.GrammarMatcher | None], tokens: Sequence[int]) -> list[int]:
+    """Accept each constrained row's sampled token; returns the rows whose matcher refused it.
+    A token the mask allowed is always accepted: a refusal means the row had nothing to sample
+    (or the mask and the matcher disagree), and fails that row's request, loudly."""
+    return [i for i, m in enumerate(matchers)
+            if m is not None and not m.is_terminated() and not m.accept_token(tokens[i])]

@@ -1,5 +1,6 @@
 """A step that raises fails only the requests in it; three failures in a row kill the engine,
-which then refuses new work — and nothing ever hangs."""
+which then refuses new work — and nothing ever hangs. A row left with no token to sample fails
+its own request only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import pytest
 
-from engine import Engine, EngineDeadError
+from engine import Engine, EngineDeadError, SamplingParams, StructuredOutput
 from tests.engine.util import StepRecorder, assert_drained, greedy, run_all, run_request, tiny_config
 
 PROMPTS = [list(range(10 + i, 50 + 2 * i)) for i in range(4)]  # 40..46 tokens: several whole blocks
@@ -155,3 +156,24 @@ async def test_a_failure_streak_is_reset_by_a_good_step(tiny_model):
             assert reasons == ["error", "length"] * 4
             assert not engine.dead
             await assert_drained(engine)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "chunked", "static"])
+async def test_a_row_with_nothing_to_sample_fails_alone(tiny_model, policy):
+    """Structured output whose grammar must end while min_tokens still masks EOS leaves its row
+    no token: that request ends with an error saying why, the others in its steps go on, and
+    repeats of it are not failed steps (three used to kill the engine). min_p under a grammar
+    keeps a token: the grammar masks first, so min_p's most likely token is an allowed one."""
+    boolean, anything = StructuredOutput.from_schema({"type": "boolean"}), StructuredOutput.from_schema({"type": "object"})
+    stuck = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, structured_output=boolean)
+    min_p = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.9, seed=1, structured_output=anything)
+    params = [stuck, greedy(12), stuck, min_p, stuck, stuck]
+    async with asyncio.timeout(60), Engine(tiny_config(policy=policy), loaded=tiny_model) as engine:
+        results = await run_all(engine, [PROMPTS[0]] * len(params), params)
+        assert not engine.scheduler.dead
+        again = await run_request(engine, PROMPTS[1], greedy(4))
+    for r in (results[0], results[2], results[4], results[5]):
+        assert r.finish_reason == "error" and "min_tokens" in r.final.error, r.final
+    assert results[1].finish_reason == "length" and len(results[1].token_ids) == 12
+    assert results[3].finish_reason in ("length", "stop") and results[3].final.error is None
+    assert again.finish_reason == "length" and len(again.token_ids) == 4
