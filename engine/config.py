@@ -7,6 +7,7 @@ flag (`--policy chunked`) finds its section without the caller naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -59,6 +60,7 @@ class ModelConfig:
                  f"{self.weight_format!r} runs the GGUF blocks as stored; it cannot be combined with linear_backend 'int8'")
         _require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         _require(self.num_threads >= 0, "num_threads", "must be >= 0")
+        _require(0 <= self.seed < 2**63, "seed", "must be in [0, 2^63), as a request's seed")
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -182,7 +184,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in SECTIONS:
-            getattr(self, name).validate()
+            section = getattr(self, name)
+            for f in fields(section):  # inf or nan would pass every range check below
+                value = getattr(section, f.name)
+                _require(not isinstance(value, float) or math.isfinite(value), f.name, "must be a finite number")
+            section.validate()
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = "config.toml", **overrides: Any) -> EngineConfig:
@@ -245,14 +251,22 @@ def all_keys() -> dict[str, tuple[str, type]]:
     return out
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def parse_value(key: str, text: str) -> Any:
-    """A config key's value from command-line text ("1", "true" or "yes" is True for a bool key)."""
+    """A config key's value from command-line text (a bool key takes true/false, yes/no, on/off or
+    1/0; anything else is refused, never read as false)."""
     keys = all_keys()
     if key not in keys:
         raise ValueError(f"unknown config key {key!r}")
     typ = keys[key][1]
+    if typ is bool:
+        if text.lower() not in _BOOLS:
+            raise ValueError(f"config key {key!r}: bad value {text!r} (true/false, yes/no, on/off or 1/0)")
+        return _BOOLS[text.lower()]
     try:
-        return text.lower() in ("1", "true", "yes") if typ is bool else typ(text)
+        return typ(text)
     except ValueError:
         raise ValueError(f"config key {key!r}: bad value {text!r}") from None
 

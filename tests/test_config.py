@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import SECTIONS, EngineConfig, all_keys, parse_sweep, section_of
+from engine.config import SECTIONS, EngineConfig, all_keys, parse_sweep, parse_value, section_of
 
 CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
 
@@ -68,6 +68,11 @@ def test_keyword_overrides():
         ({"replica_cpus": "1"}, "replica_cpus"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
         ({"kv_cache_dtype": "float32"}, "kv_cache_dtype"),
+        ({"seed": -1}, "'seed' must be in"),
+        ({"seed": 2**64}, "'seed' must be in"),
+        ({"priority_aging_s": float("inf")}, "'priority_aging_s' must be a finite number"),
+        ({"replicas": 1, "balance_rel_threshold": float("inf")}, "'balance_rel_threshold' must be a finite"),
+        ({"replicas": 1, "replica_cpus": float("nan")}, "'replica_cpus' must be a finite"),
     ],
 )
 def test_bad_keyword_override_names_the_key(overrides, key):
@@ -156,6 +161,17 @@ def test_parse_sweep():
         parse_sweep("max_step_ms")
     with pytest.raises(ValueError, match="'200' given more than once"):
         parse_sweep("max_step_ms=200,400,200")
+
+
+def test_parse_value_refuses_a_bool_it_cannot_read():
+    """`--set enable_prefix_caching=on` used to turn the cache off: any unknown spelling read as false."""
+    for text, value in [("on", True), ("YES", True), ("1", True), ("true", True), ("off", False), ("no", False),
+                        ("0", False), ("False", False)]:
+        assert parse_value("enable_prefix_caching", text) is value, text
+    for text in ("ture", "y", "maybe", ""):
+        with pytest.raises(ValueError, match=f"'enable_prefix_caching': bad value {text!r} .*on/off"):
+            parse_value("enable_prefix_caching", text)
+    assert parse_value("num_blocks", "64") == 64
 
 
 def test_kv_dtype_for():

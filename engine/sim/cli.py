@@ -7,7 +7,7 @@
     engine-sim run --calibration c.json --workload spike-overlap --sweep max_step_ms=200,400,800
     engine-sim run --calibration c.json --workload sharegpt-like --rate 20 --duration-s 600 \\
         --replicas 8 --router prefix-affinity
-    engine-sim run --calibration c.json --workload sharegpt-like --num-requests 400 \\
+    engine-sim run --calibration c.json --workload sharegpt-like --duration-s 600 \\
         --slo-ttft-ms 2000 --slo-itl-ms 500 --goodput --sweep replicas=1,2,4,8
 
 `run` needs no torch, model or tokenizer. It prints engine-bench's table (plus the simulated /
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
-from engine.config import EngineConfig, ModelConfig, parse_sweep, parse_value
+from engine.config import EngineConfig, ModelConfig, ServerConfig, parse_sweep, parse_value
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -34,6 +34,9 @@ SIM_KEYS = ("replicas", "router")  # swept like config keys, but they shape the 
 # Keys that set what a step costs, not what the scheduler does: `run` takes step times from the
 # calibration, so overriding them there would change nothing (refused; calibrate with them instead).
 CALIBRATED_KEYS = (*(f.name for f in dataclasses.fields(ModelConfig)), "kv_cache_dtype")
+# Keys of what a simulation does not run: the HTTP server, and Ray's processes and probes (refused).
+UNSIMULATED_KEYS = (*(f.name for f in dataclasses.fields(ServerConfig)), "ray_address", "ray_num_cpus", "replica_cpus",
+                    "replica_gpus", "health_check_ms")
 MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
 
 
@@ -63,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--slo-itl-ms", type=float)
     r.add_argument("--goodput", action="store_true",
                    help=f"find the highest rate at which >= {goodput.TARGET * 100:.0f}%% of requests meet both SLOs (bisection)")
-    r.add_argument("--goodput-start", type=float, default=1.0, help="the first rate the goodput search tries")
+    r.add_argument("--goodput-start", type=float, default=1.0,
+                   help="the first rate the goodput search tries (and, without --rate, the base run's rate)")
     r.add_argument("--save-steps", metavar="PATH", help="write replica 0's StepRecords as JSONL (one run, not a sweep)")
     r.add_argument("--out", default="sim-out")
     r.add_argument("--no-plots", action="store_true")
@@ -113,8 +117,7 @@ def _base_config(args) -> EngineConfig:
             raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
         if key in SIM_KEYS:
             raise SystemExit(f"--set {key}: use --{key}")
-        if args.command == "run":
-            _refuse_calibrated("--set", key)
+        _refuse_unsimulated("--set", key, args.command)
         overrides[key] = _coerce(key, value)
     overrides["replicas"] = getattr(args, "replicas", 0)  # run: the simulated cluster's, so its [cluster] keys apply
     try:
@@ -123,8 +126,11 @@ def _base_config(args) -> EngineConfig:
         raise SystemExit(str(e)) from None
 
 
-def _refuse_calibrated(flag: str, key: str) -> None:
-    if key in CALIBRATED_KEYS:
+def _refuse_unsimulated(flag: str, key: str, command: str) -> None:
+    if key in UNSIMULATED_KEYS:
+        raise SystemExit(f"{flag} {key}: the simulator runs no HTTP server and no Ray processes, "
+                         f"so {key} would change nothing")
+    if command == "run" and key in CALIBRATED_KEYS:
         raise SystemExit(f"{flag} {key}: the simulator takes step times from the calibration, which {key} "
                          f"does not change here; calibrate with it (engine-sim calibrate --run --set {key}=...)")
 
@@ -137,7 +143,7 @@ def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str
         key, values = parse_sweep(args.sweep)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    _refuse_calibrated("--sweep", key)
+    _refuse_unsimulated("--sweep", key, args.command)
     out = []
     for raw in values:
         v = _coerce(key, raw)
@@ -165,6 +171,11 @@ def _num_requests(args, rate: float) -> int | None:
     return args.num_requests
 
 
+def _base_rate(args) -> float:
+    """--rate; under --goodput over a duration without one, the search's first rate."""
+    return args.goodput_start if args.rate <= 0 and args.goodput and args.duration_s is not None else args.rate
+
+
 def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
     """The run's trace; with `rate`, the same traffic at that rate (goodput probes)."""
     try:
@@ -177,7 +188,7 @@ def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
                 raise SystemExit("--goodput over a trace needs arrivals spread in time (its rate is scaled)")
             return traces.scale_rate(trace, rate / ((len(trace) - 1) / span))
         name = args.workload or "sharegpt-like"
-        r = args.rate if rate is None else rate
+        r = _base_rate(args) if rate is None else rate
         return traces.generate(name, args.seed, _num_requests(args, r), r, args.arrival, args.cv)
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -246,7 +257,7 @@ def _run(args) -> dict:
         if args.save_steps:
             _save_steps(res.steps or [], args.save_steps)
     summary = {
-        "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": args.rate,
+        "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": _base_rate(args),
                                 "arrival": args.arrival, "cv": args.cv},
         "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
         "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype,

@@ -59,6 +59,17 @@ def test_sweep_with_goodput(tmp_path, capsys):
     assert "has no step ratios" in capsys.readouterr().err  # CAL predates them: said, not silently ignored
 
 
+def test_goodput_over_a_duration_needs_no_rate(tmp_path):
+    """The README's command: the search sets the rate, and the base run starts at its first one."""
+    CAL.save(tmp_path / "cal.json")
+    cli.main(["run", *RUN, "--calibration", str(tmp_path / "cal.json"), "--workload", "sharegpt-like",
+              "--duration-s", "10", "--slo-ttft-ms", "3000", "--goodput", "--goodput-start", "0.5", "--no-plots",
+              "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert summary["trace"]["rate"] == 0.5 and summary["num_requests"] == 5
+    assert next(iter(summary["results"].values()))["goodput_rate"] > 0
+
+
 @pytest.mark.parametrize("args, why", [
     (["--sweep", "no_such_key=1,2"], "unknown config key"),
     (["--set", "policy=fifo"], "policy"),
@@ -69,6 +80,9 @@ def test_sweep_with_goodput(tmp_path, capsys):
     (["--set", "dtype=bfloat16"], "--set dtype: .*calibrate with it"),
     (["--sweep", "weight_format=gguf,dequantized"], "--sweep weight_format: the simulator takes step times"),
     (["--sweep", "max_step_ms=200,400,200"], "--sweep max_step_ms: '200' given more than once"),
+    (["--set", "port=1"], "--set port: the simulator runs no HTTP server and no Ray processes"),
+    (["--sweep", "replica_cpus=1,2"], "--sweep replica_cpus: the simulator runs no HTTP server"),
+    (["--set", "enable_prefix_caching=ture"], "'enable_prefix_caching': bad value 'ture'"),
 ])
 def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
