@@ -7,7 +7,7 @@ Every config key has a flag (`--max-num-batched-tokens 512`, `--policy static`,
 HTTP comes up first and answers /health with 503 while the model loads in the background.
 SIGINT / SIGTERM shut down cleanly: new requests get 503 (code shutting_down) and /health
 503 at once; in-flight generations may finish for up to `--shutdown-grace-ms` ([server]
-shutdown_grace_ms, default 0); then the socket closes, what is left is aborted (a stream ends
+shutdown_grace_ms, default 5000); then the socket closes, what is left is aborted (a stream ends
 with an error event and [DONE], a non-streamed request gets 503), handlers are waited for,
 the engine stops, exit 0. A second signal exits at once.
 
@@ -78,7 +78,11 @@ async def serve(config: EngineConfig, access_log: bool = False) -> int:
     stop = stop_on_signals()
     engine = Engine(config)
     frontend = HttpFrontend(access_log=access_log)
-    await frontend.start(engine)
+    try:
+        await frontend.start(engine)
+    except OSError as e:
+        print(f"[stepwise] {e}", file=sys.stderr)
+        return 1
     print(f"[stepwise] listening on {frontend.url} (loading {config.model.model}...)", file=sys.stderr)
     loading = asyncio.create_task(engine.start(), name="stepwise-load")
     stopping = asyncio.create_task(stop.wait())

@@ -50,13 +50,20 @@ async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[[], asyn
         return 1
     replicas, engine = await starting  # a signal during start-up: stop once it is up
     frontend = HttpFrontend(access_log=access_log, app_factory=create_cluster_app)
+    code = 0
     if not stop.is_set():
-        await frontend.start(engine)
-        print(f"[stepwise] listening on {frontend.url} ({len(replicas.handles)} replicas of "
-              f"{config.served_model_name}, router {config.cluster.router})", file=sys.stderr)
+        try:
+            await frontend.start(engine)
+        except OSError as e:
+            print(f"[stepwise] {e}", file=sys.stderr)
+            stop.set()
+            code = 1
+        else:
+            print(f"[stepwise] listening on {frontend.url} ({len(replicas.handles)} replicas of "
+                  f"{config.served_model_name}, router {config.cluster.router})", file=sys.stderr)
         await stopping
     await frontend.stop()
     await engine.stop()
     await asyncio.to_thread(replicas.stop)
     print("[stepwise] stopped", file=sys.stderr)
-    return 0
+    return code

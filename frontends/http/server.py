@@ -66,7 +66,12 @@ class HttpFrontend:
         kwargs = {} if self.access_log else {"access_log": None}
         self.runner = _Runner(self.app_factory(engine), handler_cancellation=True, **kwargs)
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port).start()
+        try:
+            await web.TCPSite(self.runner, host, port).start()
+        except OSError as e:  # a host that does not resolve, a port in use
+            await self.runner.cleanup()
+            self.runner = None
+            raise OSError(f"cannot listen on host {host!r}, port {port} ([server] host, port): {e.strerror or e}") from None
         self.host, self.port = self.runner.addresses[0][:2]  # the bound port when asked for 0
 
     @property

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 
 import aiohttp
 import pytest
 
+from engine import EngineConfig
 from engine.config import all_keys
 from frontends.cli import build_parser, load_config
 
@@ -80,3 +82,16 @@ async def test_serve_stream_and_sigint():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_port_in_use_exits_1_naming_it(capsys):
+    """A port in use (or a host that does not resolve) is a line naming it and exit 1, not a traceback."""
+    from frontends.cli import serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig.load(None, model="tiny-random", port=port)
+        assert await serve(config) == 1
+    assert f"cannot listen on host '127.0.0.1', port {port} ([server] host, port): " in capsys.readouterr().err
