@@ -187,11 +187,15 @@ async def _collect(state: ServerState, outputs: AsyncIterator[tuple[int, Request
 
 async def _relay(request: web.Request, state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]],
                  render: ManyChoices, include_usage: bool, n: int, ids: list[str]) -> web.StreamResponse:
+    response: web.StreamResponse | None = None
     try:
         response = await sse.open_stream(request, {"X-Request-Id": render.id})
         for chunk in render.opening():
             await response.write(sse.frame(chunk))
-    except BaseException:  # the client left (or a write failed) before `outputs` ever started
+    except ConnectionResetError:  # the client left before its first event: an abort, not a server error
+        await _abort(state, ids)
+        return response or web.Response()  # aiohttp drops what it cannot send to a closed connection
+    except BaseException:  # a write failed otherwise, or the handler was cancelled, before `outputs` started
         await _abort(state, ids)
         raise
     choices = Choices(len(render.renderers))

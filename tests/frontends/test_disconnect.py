@@ -101,3 +101,22 @@ async def test_disconnects_abort_at_once(tiny_model):
         assert resp.status == 200  # the aborts that happened while the engine was idle
         await asyncio.sleep(0.05)
         assert await get_metric(client, "vllm:request_success_total", finished_reason="abort") == 25
+
+
+async def test_a_client_gone_before_the_first_event_is_an_abort_not_a_server_error(tiny_model, monkeypatch, caplog):
+    """The connection resets while the SSE headers go out (soak.py saw it): the request is aborted
+    and nothing is logged as an unhandled error."""
+    from aiohttp import ClientConnectionResetError
+
+    from frontends.http import sse
+
+    async def reset(request, headers=None):
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    async with serving(tiny_model, tiny_config()) as (engine, client):
+        monkeypatch.setattr(sse, "open_stream", reset)
+        resp = await client.post(COMPLETIONS, json={"prompt": "gone", "max_tokens": 50, "stream": True})
+        assert resp.status == 200
+        await wait_until(lambda: not engine.scheduler.requests, 5)
+        assert await get_metric(client, "vllm:num_requests_running") == 0
+    assert "unhandled error" not in caplog.text
