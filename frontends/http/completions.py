@@ -27,7 +27,7 @@ class CompletionRenderer:
     tokens: TokenText | None = None  # for logprobs
     echo: str | None = None  # the prompt text, returned before the completion
     echo_only: bool = False  # max_tokens 0 with echo: the one token the engine generated is dropped
-    _sent: int = 0  # characters of the choice's text sent so far (text_offset continues from here)
+    _offset: int = 0  # text_offset of the next token: the tokens' texts so far (text held back for a stop string too)
     _echoed: bool = False
 
     def _object(self, choices: list[CompletionChoice], usage) -> Completion:
@@ -40,8 +40,11 @@ class CompletionRenderer:
             self._echoed = True
             text = self.echo + text
             entries = (out.prompt_logprobs or []) + entries
-        logprobs = None if self.tokens is None else completion_logprobs(entries, self.tokens, self._sent)
-        self._sent += len(text)
+        logprobs = None
+        if self.tokens is not None:
+            logprobs = completion_logprobs(entries, self.tokens, self._offset)
+            if logprobs.tokens:
+                self._offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if self.echo_only and finish_reason is not None:
             finish_reason = "length"
         return CompletionChoice(0, text, logprobs, finish_reason)

@@ -63,6 +63,14 @@ async def test_completion_logprobs_whole_and_streamed(api):
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
     offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
     assert streamed == lp.tokens and offsets == lp.text_offset
+    # a stop string's partial match holds text back while its tokens go out: offsets follow the tokens
+    held = {**kw, "stop": [whole.choices[0].text[1] + "\x00"]}
+    chunks = [c async for c in await oai.completions.create(**held, stream=True)]
+    assert any(c.choices and c.choices[0].logprobs and c.choices[0].logprobs.tokens and not c.choices[0].text
+               for c in chunks)  # a chunk with a token and no text yet
+    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset if c.choices and c.choices[0].logprobs
+                                           else [])]
+    assert offsets == (await oai.completions.create(**held)).choices[0].logprobs.text_offset == lp.text_offset
     echoed = await oai.completions.create(**{**kw, "max_tokens": 2}, echo=True)
     assert echoed.choices[0].text.startswith(PROMPT)
     n = len(engine.tokenizer.encode(PROMPT, add_special_tokens=False))
