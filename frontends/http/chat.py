@@ -94,8 +94,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = decode(raw, ChatRequest)
     try:
         return await _complete(request, state, raw, body)
-    except ApiError as e:  # the engine knows the length as max_tokens; name it as the client did
-        raise e.naming("max_tokens", body.max_tokens_field()) from None
+    except ApiError as e:  # the engine knows the length as max_tokens and the input as prompt: name them as sent
+        e = e.naming("max_tokens", body.max_tokens_field())
+        raise (e.naming("prompt", "messages") if e.code == "context_length_exceeded" else e) from None
 
 
 async def _complete(request: web.Request, state: ServerState, raw: bytes, body: ChatRequest) -> web.StreamResponse:
