@@ -127,7 +127,7 @@ async def _complete(request: web.Request, state: ServerState, raw: bytes, body: 
         if tools.mode == "forced":
             return ForcedCalls(base)
         if tools.mode == "auto":
-            return HermesCalls(base)
+            return HermesCalls(base, frozenset(t.function.name for t in body.tools))
         return base
 
     return await generate(request, state, [Job(prompt, messages, params, body.stream, body.include_usage)], make)

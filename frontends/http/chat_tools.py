@@ -81,6 +81,7 @@ class ForcedCalls:
 @dataclass
 class HermesCalls:
     base: ChatRenderer
+    names: frozenset[str]  # the request's tools: a call of another name is text
     pending: str = ""  # received, not yet sent: a possible "<tool_call>" start, or all text from one on
 
     @property
@@ -103,7 +104,7 @@ class HermesCalls:
                 self.pending = self.pending[len(head):]
                 chunks.append(_chunk(self.base, Delta(content=head)))
             return chunks
-        _, calls = parse_hermes(self.pending)
+        _, calls = parse_hermes(self.pending, self.names)
         if not calls:
             return [_chunk(self.base, Delta(content=self.pending) if self.pending else Delta(), finish_reason)]
         head = self.pending[: self.pending.index(HERMES_OPEN)]
@@ -117,7 +118,7 @@ class HermesCalls:
         return self.base.usage_chunk(usage)
 
     def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
-        content, calls = parse_hermes(out.text)
+        content, calls = parse_hermes(out.text, self.names)
         if not calls:
             return self.base.whole(out, usage)
         tool_calls = [ToolCall(new_call_id(), "function", FunctionCall(name, arguments)) for name, arguments in calls]

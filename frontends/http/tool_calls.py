@@ -88,9 +88,10 @@ def value_end(text: str, start: int) -> int | None:
     return None
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+def parse_hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """(content before the first call or the whole text, [(name, arguments JSON)]). No calls
-    when any `<tool_call>` block is not a {"name": str, "arguments": object} JSON object."""
+    when any `<tool_call>` block is not a {"name": str, "arguments": object} JSON object, or
+    names a function not in `names` (the request's tools): never a call of an undeclared one."""
     blocks = _HERMES.findall(text)
     if not blocks:
         return text, []
@@ -100,7 +101,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
             call = json.loads(block)
         except json.JSONDecodeError:
             return text, []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        if not (isinstance(call, dict) and call.get("name") in names):
             return text, []
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments as a JSON string already

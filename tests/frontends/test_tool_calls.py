@@ -52,11 +52,12 @@ def test_value_end():
 
 def test_parse_hermes():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_hermes(text)
+    content, calls = parse_hermes(text, frozenset({"get_weather"}))
     assert content == "Let me check."
     assert calls == [("get_weather", '{"city": "Paris"}')]
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}</tool_call>'
-    assert parse_hermes(two) == (None, [("a", "{}"), ("b", '{"x": 1}')])
+    assert parse_hermes(two, frozenset("ab")) == (None, [("a", "{}"), ("b", '{"x": 1}')])
+    assert parse_hermes(two, frozenset("a")) == (two, [])  # b is not a declared tool: text, never its call
 
 
 @pytest.mark.parametrize("text", [
@@ -67,7 +68,7 @@ def test_parse_hermes():
     '<tool_call>{"name": "a", "arguments": {}}',  # never closed
 ])
 def test_parse_hermes_answers_text_when_it_is_not_a_call(text):
-    assert parse_hermes(text) == (text, [])
+    assert parse_hermes(text, frozenset("a")) == (text, [])
 
 
 def test_held_back():
@@ -121,13 +122,14 @@ def test_forced_cut_short_keeps_length():
     assert streamed(ForcedCalls(base()), [ONE[:20]], "length")[2] == "length"
 
 
-@pytest.mark.parametrize("text", [
-    'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>',
-    "plain answer with a < sign and <tool but no call",
+@pytest.mark.parametrize("text, n_calls", [
+    ('Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>', 1),
+    ('Sure. <tool_call>{"name": "zz", "arguments": {"x": 1}}</tool_call>', 0),  # not a declared tool: text
+    ("plain answer with a < sign and <tool but no call", 0),
 ])
-def test_hermes_stream_adds_up_to_the_whole(text):
+def test_hermes_stream_adds_up_to_the_whole(text, n_calls):
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
-    content, calls, reason = streamed(HermesCalls(base()), pieces, "stop")
-    w_content, w_calls, w_reason = whole(HermesCalls(base()), text, "stop")
-    assert calls == w_calls and reason == w_reason
+    content, calls, reason = streamed(HermesCalls(base(), frozenset("ab")), pieces, "stop")
+    w_content, w_calls, w_reason = whole(HermesCalls(base(), frozenset("ab")), text, "stop")
+    assert calls == w_calls and reason == w_reason and len(calls) == n_calls
     assert content.strip() == (w_content or "")
