@@ -14,19 +14,23 @@ from engine import Engine, EngineConfig, SamplingParams
 async def main(question: str, policy: str, max_tokens: int) -> None:
     config = EngineConfig.load("config.toml", policy=policy)
     async with Engine(config) as engine:
-        steps = []
+        steps, request_id = [], "example"
 
-        async def watch() -> None:
+        async def watch() -> None:  # every step up to the one that lists the request as finished
             async for record in engine.steps():
                 steps.append(record)
+                if any(f.request_id == request_id for f in record.finished):
+                    return
 
         watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)  # the watcher subscribes before the request arrives
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        async for out in engine.generate(messages=[{"role": "user", "content": question}], params=params):
+        await engine.submit(messages=[{"role": "user", "content": question}], params=params, request_id=request_id)
+        async for out in engine.stream(request_id):
             print(out.text, end="", flush=True)
             if out.finished:
                 print(f"\n[{out.finish_reason}: {out.num_prompt_tokens} prompt + {out.num_generated_tokens} generated tokens]")
-        watcher.cancel()
+        await asyncio.wait_for(watcher, 10)
         prefill = sum(s.num_prefill_tokens for s in steps)
         print(f"[{len(steps)} steps under {policy!r}: {prefill} prefill tokens, then one decode token per step]")
 
