@@ -83,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--max-model-len", type=int, help="the model's context (--run: read from the model)")
     c.add_argument("--split-rows", type=int,
                    help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
-                        "the dense weights on this CPU, 12 with AVX-512, else 16); 0 = one model")
+                        "the dense weights on this CPU: engine.cpu.NATIVE_MAX_ROWS, 8 on the AVX-512 path, 64 on "
+                        "AVX2, 16 portable or under gguf-q8); 0 = one model")
     c.add_argument("--out", default="calibration.json")
     return p.parse_args(argv)
 
