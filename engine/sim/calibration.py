@@ -33,6 +33,9 @@ from engine.step_cost import NAMES, StepCostModel, StepShape, linear_time, nonne
 
 OVERHEAD_NAMES = ("fixed", "sequence")
 SUSTAINED_MIN_S = 5.0  # the sustained slowdown is fitted only when a step was predicted this long
+# A fit worse than these predicts step times too poorly to trust a simulation on it (the
+# calibrations kept in docs/results fit at R² 0.95-0.9998, median error 3-15 %).
+MIN_R2, MAX_ERROR_P50 = 0.9, 0.2
 
 
 class Calibration(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +78,15 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("calibration sustained must be >= 0")
         if any(v < 0 for v in (*self.forward.values(), *(self.small_forward or {}).values(), *self.overhead.values())):
             raise ValueError("calibration coefficients must be >= 0")
+
+    def doubt(self) -> str | None:
+        """Why a simulation on this calibration would mislead, or None when its fit is good."""
+        r2, err = self.forward_r2, self.forward_error_p50
+        if (r2 is None or r2 >= MIN_R2) and (err is None or err <= MAX_ERROR_P50):
+            return None
+        return (f"this calibration predicts step times poorly (forward R² {r2:.3f}, median error {err:.1%}; "
+                f"good fits reach R² >= {MIN_R2} and <= {MAX_ERROR_P50:.0%}): its steps were too few or timed on a "
+                "loaded machine; calibrate again from a longer run on a quiet one")
 
     def forward_s(self, shape: StepShape) -> float:
         p = self.linear_s(shape)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
+from engine.sim import cli
 from engine.sim import trace as traces
 from engine.sim.calibration import SUSTAINED_MIN_S, Calibration, fit, load_steps, record_shape
 from engine.sim.simulator import simulate
 from tests.sim.util import CAL, config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def recorded(policy: str, **kw):
@@ -106,3 +111,18 @@ def test_fit_finds_the_slowdown_of_long_steps():
     assert max(CAL.forward_s(record_shape(r)) for r in short) < SUSTAINED_MIN_S
     assert fit(short, model="fake", dtype="float32").sustained == 0.0
     assert max(cal.linear_s(record_shape(r)) for r in steps) >= SUSTAINED_MIN_S
+
+
+def test_a_poor_fit_is_doubted_and_said_by_the_cli(tmp_path, capsys):
+    """A calibration from a few steps on a loaded machine used to be written, and replayed, silently."""
+    assert CAL.doubt() is None  # no fit figures: nothing to doubt
+    good = msgspec.structs.replace(CAL, forward_r2=0.95, forward_error_p50=0.15)
+    assert good.doubt() is None
+    for r2, err in ((-0.157, 0.562), (0.85, 0.05), (0.99, 0.25)):
+        doubt = msgspec.structs.replace(CAL, forward_r2=r2, forward_error_p50=err).doubt()
+        assert doubt and f"R² {r2:.3f}" in doubt and "calibrate again" in doubt
+    poor = msgspec.structs.replace(CAL, forward_r2=-0.157, forward_error_p50=0.562)
+    poor.save(tmp_path / "poor.json")
+    cli.main(["run", "--config", str(REPO / "config.toml"), "--calibration", str(tmp_path / "poor.json"),
+              "--workload", "mixed", "--num-requests", "4", "--no-plots", "--out", str(tmp_path / "sim")])
+    assert "predicts step times poorly (forward R² -0.157, median error 56.2%" in capsys.readouterr().err
