@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import memory
+
 HEADROOM = 0.9  # the most of the free memory a pool may take: the rest is for the steps' activations
 
 
@@ -51,25 +53,10 @@ class KVCache:
         return self.data.numel() * self.data.element_size()
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Memory free for a new allocation on device: the kernel's MemAvailable on CPU (None
-    where /proc/meminfo is missing), the CUDA allocator's free memory on a GPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _require_fits(num_blocks: int, block_elements: int, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse, naming num_blocks, a pool larger than the memory free for it: zeroing it would
     otherwise end in the OOM killer (no message) or in swap."""
-    free, block_bytes = available_bytes(device), block_elements * dtype.itemsize
+    free, block_bytes = memory.available_bytes(device), block_elements * dtype.itemsize
     if free is None or num_blocks * block_bytes <= HEADROOM * free:
         return
     hint = " (kv_cache_dtype = \"float16\" halves a block)" if dtype.itemsize == 4 else ""

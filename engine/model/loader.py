@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from engine import memory
 from engine.model.spec import ARCHITECTURES, spec_from_config
 from engine.model.tiny import tiny_llama, tiny_tokenizer
 from engine.model.wheel_model import WHEEL_MODELS, WheelModelError
@@ -104,6 +106,9 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{key}"
     if (target / "done").exists():
         return target
+    num_params = _gguf_params(gguf)
+    if num_params is not None:
+        _require_memory(gguf.name, num_params, torch.float32, "while transformers dequantizes the file")
     print(f"[stepwise] one-time conversion of {gguf.name} -> {target}", file=sys.stderr)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -154,8 +159,46 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = 
         spec_from_config(config, archs[0])
     except ValueError as e:
         raise ModelLoadError(f"{path} ({archs[0]}): {e}") from None
+    num_params = _safetensors_params(path)
+    if num_params is not None:
+        _require_memory(path.name, num_params, dtype, "as transformers loads them")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     if type(model).__name__ != archs[0]:
         raise ModelLoadError(f"{path}: config.json names {archs[0]} but transformers built {type(model).__name__}")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(model, tokenizer, name, gguf)
+
+
+def _gguf_params(path: Path) -> int | None:
+    """Parameters in a GGUF file, None where gguf cannot read it (transformers then says why)."""
+    from gguf import GGUFReader  # reads the header and maps the tensors: ~1-2 s, once per conversion
+
+    try:
+        return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    except (ValueError, OSError):
+        return None
+
+
+def _safetensors_params(path: Path) -> int | None:
+    """Parameters in a directory's safetensors files (headers only), None where it has none."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
+def _require_memory(what: str, num_params: int, dtype: torch.dtype, doing: str) -> None:
+    """Refuse a model whose weights alone, in `dtype`, exceed the memory free now: the load
+    would end in the OOM killer's SIGKILL, with no message. (Serving needs more: a dense copy
+    of each weight beside the GGUF blocks, activations and the KV pool; this catches the
+    model that cannot fit at all.)"""
+    need, free = num_params * dtype.itemsize, memory.available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise ModelLoadError(f"{what}: its {num_params / 1e9:.2f} B parameters take {need / 2**30:.1f} GiB in "
+                             f"{str(dtype)[6:]} {doing}, but only {free / 2**30:.1f} GiB of memory is free")

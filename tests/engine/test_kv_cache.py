@@ -5,12 +5,10 @@ than the free memory is refused at start, naming num_blocks."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from engine import Engine, kv_cache
+from engine import Engine, memory
 from engine.attention.cpu_backend import cpu_kernel_available
 from engine.kv_cache import KVCache
 from tests.engine.util import POLICIES, greedy, run_all, tiny_config
@@ -57,23 +55,18 @@ async def test_the_cpu_kernel_by_name_refuses_a_float16_model():
 def test_a_pool_larger_than_free_memory_is_refused_naming_num_blocks(monkeypatch):
     """Zeroing such a pool would end in the OOM killer, with no message: refuse it at start."""
     block = 2 * 2 * 16 * 2 * 8 * 4  # layers, k/v, block_size, kv heads, head_dim, float32 bytes
-    monkeypatch.setattr(kv_cache, "available_bytes", lambda device: 100 * block)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 100 * block)
     assert KVCache(2, 90, 16, 2, 8).num_bytes == 90 * block  # within nine tenths of what is free
     with pytest.raises(ValueError, match=r"\[cache\] num_blocks = 91 needs .* GiB for the KV pool .* cpu has .* GiB free: "
                                          r"set num_blocks to at most 90 \(kv_cache_dtype = \"float16\" halves a block\)"):
         KVCache(2, 91, 16, 2, 8)
     with pytest.raises(ValueError, match=r"num_blocks = 181 .* at most 180$"):  # already 2 bytes: no hint
         KVCache(2, 181, 16, 2, 8, torch.float16)
-    monkeypatch.setattr(kv_cache, "available_bytes", lambda device: None)  # no /proc/meminfo: not checked
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # no /proc/meminfo: not checked
     assert KVCache(2, 91, 16, 2, 8).num_blocks == 91
 
 
 async def test_the_engine_refuses_to_start_with_a_pool_that_does_not_fit(monkeypatch):
-    monkeypatch.setattr(kv_cache, "available_bytes", lambda device: 2**20)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2**20)
     with pytest.raises(ValueError, match=r"\[cache\] num_blocks = 256 needs"):
         await Engine(tiny_config()).start()
-
-
-def test_available_bytes_reads_this_machine():
-    free = kv_cache.available_bytes(torch.device("cpu"))
-    assert (free > 0) if os.path.exists("/proc/meminfo") else free is None

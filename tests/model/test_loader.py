@@ -123,3 +123,24 @@ def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_mod
     loaded = load_model(str(first), tmp_path / "unused")
     for name, tensor in tiny_model.hf_model.state_dict().items():
         torch.testing.assert_close(loaded.hf_model.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_a_model_larger_than_the_free_memory_is_refused_before_loading(tmp_path, tiny_model, monkeypatch):
+    """Its weights alone would not fit: a ModelLoadError naming the model and the sizes, not the
+    OOM killer's SIGKILL half-way through transformers' load or GGUF conversion."""
+    from engine import memory
+    from tests.model.test_gguf_weights import write_tiny_gguf
+
+    tiny_model.hf_model.save_pretrained(tmp_path / "hf")
+    tiny_model.tokenizer.save_pretrained(tmp_path / "hf")
+    params = sum(p.numel() for p in tiny_model.hf_model.parameters())
+    monkeypatch.setattr(memory, "available_bytes", lambda device: params * 4 - 1)
+    with pytest.raises(ModelLoadError, match=r"hf: its 0.00 B parameters take 0.0 GiB in float32 as transformers loads "
+                                             r"them, but only 0.0 GiB of memory is free"):
+        load_model(str(tmp_path / "hf"), tmp_path / "cache")
+    assert load_model(str(tmp_path / "hf"), tmp_path / "cache", torch.bfloat16).hf_model.dtype == torch.bfloat16  # fits
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1)
+    with pytest.raises(ModelLoadError, match="tiny.gguf: its .* in float32 while transformers dequantizes the file"):
+        load_model(str(tmp_path / "tiny.gguf"), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("tiny-*"))  # refused before the conversion began
