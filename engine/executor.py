@@ -134,10 +134,13 @@ def _unsampleable(logits: torch.Tensor, chosen: list[PlanItem]) -> dict[int, str
     failed = {}
     for j in empty:
         c = chosen[j]
-        failed[j] = ("no token can be sampled: the structured-output grammar allows only tokens that min_tokens "
-                     "masks (EOS and stop_token_ids) or logit_bias removes" if c.grammar is not None else
-                     "no token can be sampled: every token's logit is -inf or NaN after logit_bias, "
-                     "penalties and min_p")
+        if c.grammar is not None and c.grammar.is_terminated():
+            failed[j] = "no token can be sampled: the structured output is complete before min_tokens was reached"
+        elif c.grammar is not None:
+            failed[j] = ("no token can be sampled: the structured-output grammar allows only tokens that min_tokens "
+                         "masks (EOS and stop_token_ids) or logit_bias removes")
+        else:
+            failed[j] = "no token can be sampled: every token's logit is -inf or NaN after logit_bias, penalties and min_p"
         logits[j] = 0.0
     return failed
 

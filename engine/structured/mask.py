@@ -14,13 +14,18 @@ import xgrammar as xgr
 
 
 def constrain(logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
-    """logits: [B, V], modified in place; matchers: [B], None for an unconstrained row."""
+    """logits: [B, V], modified in place; matchers: [B], None for an unconstrained row. A
+    matcher that has ended (its output complete, and the request still running because
+    min_tokens is not reached) allows no token: the executor fails that row's request alone."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [B, ceil(V / 32)] int32
     for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
+        if matchers[i].is_terminated():
+            bitmask[i] = 0
+        else:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 

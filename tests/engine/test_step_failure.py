@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import pytest
 
 from engine import Engine, EngineDeadError, SamplingParams, StructuredOutput
@@ -167,13 +168,17 @@ async def test_a_row_with_nothing_to_sample_fails_alone(tiny_model, policy):
     boolean, anything = StructuredOutput.from_schema({"type": "boolean"}), StructuredOutput.from_schema({"type": "object"})
     stuck = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, structured_output=boolean)
     min_p = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.9, seed=1, structured_output=anything)
-    params = [stuck, greedy(12), stuck, min_p, stuck, stuck]
+    # ignore_eos leaves EOS unmasked: the grammar ends on it and the request runs on (a matcher asked
+    # for a mask after its end used to raise, failing the step)
+    complete = msgspec.structs.replace(stuck, ignore_eos=True)
+    params = [stuck, greedy(12), stuck, min_p, complete, stuck]
     async with asyncio.timeout(60), Engine(tiny_config(policy=policy), loaded=tiny_model) as engine:
         results = await run_all(engine, [PROMPTS[0]] * len(params), params)
         assert not engine.scheduler.dead
         again = await run_request(engine, PROMPTS[1], greedy(4))
     for r in (results[0], results[2], results[4], results[5]):
         assert r.finish_reason == "error" and "min_tokens" in r.final.error, r.final
+    assert "the structured output is complete before min_tokens was reached" in results[4].final.error
     assert results[1].finish_reason == "length" and len(results[1].token_ids) == 12
     assert results[3].finish_reason in ("length", "stop") and results[3].final.error is None
     assert again.finish_reason == "length" and len(again.token_ids) == 4

@@ -62,6 +62,9 @@ def test_advance_follows_the_grammar_to_the_end(cache):
     assert allowed(logits[0]) == {tok.eos_token_id}  # complete: only the end of the output
     assert advance([m], [tok.eos_token_id]) == []
     assert m.is_terminated()
+    logits = torch.zeros(1, VOCAB)
+    constrain(logits, [m])  # ended (min_tokens keeps its request running): nothing more is allowed
+    assert allowed(logits[0]) == set()
 
 
 def test_advance_names_the_rows_whose_grammar_refused_the_token(cache):
