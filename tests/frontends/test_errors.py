@@ -49,7 +49,7 @@ BAD = [
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "min_tokens": 3}', 400,
      "min_tokens", "must not exceed max_completion_tokens (2)"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}', 400,
-     "max_completion_tokens", "reduce the length of the prompt or max_completion_tokens"),
+     "max_completion_tokens", "reduce the length of the messages or max_completion_tokens"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "nope"}', 404, "model", "does not exist"),
 ]
 
