@@ -39,6 +39,7 @@ class _Remote:
     replica: str
     outputs: object  # ray.serve.handle.DeploymentResponseGenerator
     num_choices: int  # n: the stream ends with the last choice's final output
+    read: bool = False  # stream() has taken it: its end releases the router slot
 
 
 def _refusal_error(refusal: Refusal) -> Exception:
@@ -118,6 +119,7 @@ class ClusterEngine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         remote = self._remotes[request_id]
+        remote.read = True
         finished, ended = False, set()
         try:
             try:
@@ -149,11 +151,18 @@ class ClusterEngine:
             yield out
 
     async def abort(self, request_id: str) -> None:
-        """Abort on the replica: its engine ends the stream with a final "abort" output."""
+        """Abort on the replica: its engine ends the stream with a final "abort" output. A
+        request whose stream nobody reads (a batch refused at a later prompt) is let go here:
+        its router slot is released and its generate cancelled, which aborts it on the replica."""
         remote = self._remotes.get(request_id)
-        if remote is not None:
-            with contextlib.suppress(Exception):
-                await self.handles[remote.replica].abort.remote(request_id)
+        if remote is None:
+            return
+        if not remote.read:
+            del self._remotes[request_id]
+            self.router.release(remote.replica)
+            remote.outputs.cancel()
+        with contextlib.suppress(Exception):
+            await self.handles[remote.replica].abort.remote(request_id)
 
     def replica_of(self, request_id: str) -> str | None:
         """The replica that served `request_id` (for the x-stepwise-replica header)."""

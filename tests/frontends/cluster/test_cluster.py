@@ -112,6 +112,16 @@ async def test_a_prompt_list_is_served_and_names_each_prompt_s_replica(tiny_mode
     assert len(resp.headers[REPLICA_HEADER].split(",")) == 3
 
 
+async def test_a_batch_refused_at_a_later_prompt_lets_the_earlier_ones_go(replicas):
+    """Prompt 0 is accepted on a replica, prompt 1 refused (empty): the 400 lets prompt 0 go, its
+    router slot too (it used to stay in flight for good, and routing avoided that replica)."""
+    async with ingress(replicas) as (engine, client):
+        for body in ({"prompt": ["Hi", ""]}, {"prompt": [[1, 2], [5] * 9000]}):
+            resp = await client.post("/v1/completions", json={"model": "tiny", "max_tokens": 4, **body})
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+            assert not engine._remotes and set(engine.router.load.values()) == {0}, engine.router.load
+
+
 async def test_shared_prefix_sticks_to_one_replica_and_distinct_prompts_spread(replicas):
     async with ingress(replicas) as (_, client):
         async def chat(system: str, user: str) -> str:
