@@ -58,6 +58,7 @@ HELP = f"""[b]Stepwise monitor[/b] — what the engine does, step by step
   [b]+ -[/b]    zoom the strip of recent steps in / out
   [b]r[/b]      next replica (a cluster: engine-serve --replicas N)
   [b]?[/b]      this help (esc closes)
+  [b]home end pgup pgdn[/b]  scroll the dashboard (a terminal under ~38 rows); tab focuses the request table
 
 [b]Colours[/b]
   [{KIND_COLOURS['prefill']}]■ prefill[/]  prompt tokens computed this step (a chunk: positions a–b of the prompt)
@@ -85,7 +86,12 @@ class MonitorApp(App[None]):
     CSS_PATH = "monitor.tcss"
     TITLE = "Stepwise monitor"
     ENABLE_COMMAND_PALETTE = False
+    AUTO_FOCUS = None  # a focused request table would scroll a terminal under ~38 rows past the top panels
     BINDINGS = [
+        Binding("home", "scroll_view('home')", "top", show=False),
+        Binding("end", "scroll_view('end')", "bottom", show=False),
+        Binding("pageup", "scroll_view('page_up')", "page up", show=False),
+        Binding("pagedown", "scroll_view('page_down')", "page down", show=False),
         Binding("q", "quit", "quit"),
         Binding("p", "toggle_pause", "pause/resume"),
         Binding("plus,equals_sign", "zoom(1)", "zoom in", key_display="+"),
@@ -129,6 +135,9 @@ class MonitorApp(App[None]):
     def on_mount(self) -> None:
         self.query_one(StatusBar).status = self.monitor.status
         self._consume()
+
+    def action_scroll_view(self, where: str) -> None:
+        getattr(self.screen, f"scroll_{where}")(animate=False)
 
     async def on_unmount(self) -> None:
         self.workers.cancel_group(self, "source")

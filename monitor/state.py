@@ -156,6 +156,12 @@ class MonitorState:
         return self.records[-1] if self.records else None
 
     def tokens_per_s(self) -> float | None:
+        """Output tokens/s over the last RATE_WINDOW_S of step time; 0 once the engine is idle
+        (its snapshot, as of the last step or later, has nothing running or waiting): no step
+        comes to bring the window down then, and "now" would stay at the load's rate."""
+        snap, last = self.snapshot, self.last
+        if snap is not None and last is not None and snap.step >= last.step and not snap.running and not snap.waiting:
+            return 0.0
         if not self._window:
             return None
         start = min(s for s, _, _ in self._window)

@@ -81,14 +81,10 @@ class StatusBar(Widget):
         self.set_class(paused, "-paused")
 
     def render(self) -> Text:
+        """The connection state (and paused) first, so a narrow terminal or a long model path
+        never pushes them off the line; where the data comes from after them."""
         s = self.status
-        text = Text(" Stepwise monitor ", style="bold")
-        text.append("│ ", style=DIM)
-        text.append(s.description or "…")
-        if self.engine:
-            text.append(" │ ", style=DIM)
-            text.append(self.engine)
-        text.append(" │ ", style=DIM)
+        text = Text(" ")
         if s.kind == "connected":
             text.append("● live", style="bold")
         elif s.kind == "connecting":
@@ -100,6 +96,13 @@ class StatusBar(Widget):
                 text.append(f" · {s.reason}")
         if self.paused:
             text.append("  ⏸ PAUSED (p to resume)", style="bold reverse")
+        text.append(" │ ", style=DIM)
+        text.append("Stepwise monitor ", style="bold")
+        text.append("│ ", style=DIM)
+        text.append(s.description or "…")
+        if self.engine:
+            text.append(" │ ", style=DIM)
+            text.append(self.engine)
         return text
 
 
@@ -133,7 +136,7 @@ class StepPanel(Widget):
         head.append(f"step {_n(r.step)}", style="bold")
         head.append(f"   {fmt_seconds(r.duration_s)}   policy ", style=DIM)
         head.append(r.policy)
-        head.append(f"   {len(r.items)} requests", style=DIM)
+        head.append(f"   {len({it.request_id for it in r.items})} requests", style=DIM)  # static: prefill + padding items
         if r.predicted_s is not None:  # the step-cost model's forecast, made before the step ran
             head.append(f"   forward {fmt_seconds(r.forward_s)} (predicted {fmt_seconds(r.predicted_s)})", style=DIM)
         lines.append(head)
@@ -197,7 +200,7 @@ class StepPanel(Widget):
             line.append(f"decode ×{len(decodes)}  ", style=KIND_COLOURS["decode"])
             indent = len(line.plain)
             for it in decodes:
-                chip = f"{it.request_id}@{it.position}"
+                chip = f"{it.request_id[:id_width]}@{it.position}"
                 if len(line.plain) + len(chip) + 1 > width and len(line.plain) > indent:
                     lines.append(line)
                     line = Text(" " * indent)

@@ -341,3 +341,36 @@ async def test_replica_key_on_a_single_engine_changes_nothing():
         await pilot.press("r")
         await pilot.pause()
         assert source.connections == 1 and source.replica is None
+
+
+async def test_a_short_terminal_opens_at_the_top_and_scrolls_by_keys():
+    """At 80x24 the dashboard is taller than the screen: it used to open scrolled to the focused
+    request table, the current step and queues out of view with no key to bring them back."""
+    source = ScriptedSource([decodes(1), MIXED], state(7))
+    app = make_app(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.steps_shown == 2)
+        assert app.screen.scroll_y == 0 and app.screen.max_scroll_y > 0
+        assert "step 7" in "\n".join(screen_lines(app.export_screenshot()))
+        await pilot.press("end")
+        await until(pilot, lambda: app.screen.scroll_y == app.screen.max_scroll_y)
+        await pilot.press("home")
+        await until(pilot, lambda: app.screen.scroll_y == 0)
+
+
+async def test_the_connection_state_stays_on_a_narrow_status_line():
+    source = ScriptedSource([decodes(1)], state(1))
+    app = make_app(source)
+    async with app.run_test(size=(40, 12)) as pilot:
+        await until(pilot, lambda: app.steps_shown == 1)
+        assert screen_lines(app.export_screenshot())[0].lstrip().startswith("● live")
+
+
+async def test_a_static_step_counts_each_request_once():
+    """Static batching sends a padded prompt as two items (its prefill and its padding)."""
+    items = [("a", "prefill", 5, 0), ("a", "padding", 3, 5), ("b", "prefill", 8, 0)]
+    source = ScriptedSource([record(1, items, policy="static")], state(1))
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 1)
+        assert "2 requests" in plain(app.query_one(StepPanel))

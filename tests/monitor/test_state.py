@@ -34,6 +34,19 @@ def test_throughput_and_idle_seconds():
     assert m.latency().rate_series[-4:] == (0.0, 0.0, 0.0, 0.0)
 
 
+def test_throughput_reads_zero_once_the_engine_is_idle():
+    """The rate used to stay at the load's figure for as long as the engine stayed idle."""
+    m = MonitorState()
+    for s in range(1, 21):
+        m.add(decodes(s))
+    m.on_state(state(20, [("r0", 10, 10, 5, 64)]))  # still running
+    assert m.tokens_per_s() == pytest.approx(12.0)
+    m.on_state(state(19))  # nothing running, but as of an older step than the last record
+    assert m.tokens_per_s() == pytest.approx(12.0)
+    m.on_state(state(20))  # nothing running or waiting after the last step: idle
+    assert m.tokens_per_s() == 0.0 and m.latency().tokens_per_s == 0.0
+
+
 def test_finished_and_queue_view():
     m = MonitorState()
     assert m.queues() is None
