@@ -15,7 +15,9 @@ one, derived from the config, so the forward (engine/model/llama.py) stays one c
 
 Anything else a config asks for that the forward does not implement is refused with a
 `ValueError` naming the field: dynamic or long-context RoPE (`dynamic`, `longrope`), unknown
-layer types, bidirectional attention, activations other than SiLU / tanh-GELU.
+layer types, bidirectional attention, activations other than SiLU / tanh-GELU, a
+`sliding_window` on Llama or an `attention_chunk_size` on any family (transformers' `generate`
+slides its cache by them, though its forward does not) shorter than the context.
 """
 
 from __future__ import annotations
@@ -110,7 +112,13 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
 def _layer_windows(config, architecture: str) -> tuple[list[int | None], tuple[str, ...]]:
     """Per layer: the sliding window (None = global) and the layer type."""
     n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    bites = lambda field: (getattr(config, field, None) or config.max_position_embeddings) < config.max_position_embeddings  # noqa: E731
+    if bites("attention_chunk_size"):
+        raise ValueError(f"unsupported attention_chunk_size {config.attention_chunk_size} (chunked local attention)")
     if architecture not in WINDOW_BY_LAYER_TYPE:
+        if architecture not in WINDOW_ON_EVERY_LAYER and bites("sliding_window"):
+            raise ValueError(f"unsupported sliding_window {window} on {architecture}: this family's layers attend "
+                             "to the whole context here, while transformers' generate would slide its cache")
         window = window if architecture in WINDOW_ON_EVERY_LAYER else None
         return [window] * n, ("full_attention",) * n
     types = tuple(getattr(config, "layer_types", None) or ("full_attention",) * n)

@@ -179,6 +179,11 @@ REFUSED = {
                                  "layer_types"),
     "llama-gelu": (LlamaConfig(**{**COMMON, "hidden_act": "relu"}), "hidden_act 'relu'"),
     "gpt2": (GPT2Config(), "supported: LlamaForCausalLM, MistralForCausalLM"),
+    # transformers' generate slides its cache by these; the engine's Llama attends to all (session 19 audit)
+    "llama-sliding-window": (LlamaConfig(**{**COMMON, "sliding_window": 12}), "sliding_window 12 on LlamaForCausalLM"),
+    "llama-chunked-attention": (LlamaConfig(**{**COMMON, "attention_chunk_size": 12}), "attention_chunk_size 12"),
+    "phi3-chunked-attention": (Phi3Config(**{**COMMON, "sliding_window": None, "attention_chunk_size": 12}),
+                               "attention_chunk_size 12"),
 }
 
 
