@@ -43,7 +43,7 @@ WINDOW_BY_LAYER_TYPE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA)
 # RoPE types whose tables depend on the position only (not on the sequence's length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}  # swish = SiLU
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,21 @@ def test_yarn_rope_logits_match_transformers(tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_swish_is_silu(tmp_path):
+    """transformers' ACT2FN maps "swish" to SiLU, as some configs name it."""
+    model = build("llama3")
+    model.config.hidden_act = "swish"
+    model.save_pretrained(tmp_path / "swish")
+    tiny_tokenizer().save_pretrained(tmp_path / "swish")
+    loaded = load_model(str(tmp_path / "swish"), tmp_path / "cache")
+    prompt = loaded.tokenizer.encode(TEXT, add_special_tokens=False)[:40]
+    with torch.inference_mode():
+        want = loaded.hf_model(torch.tensor([prompt])).logits[0, -1]
+    ours = LlamaModel(loaded.hf_model, TorchAttention())
+    assert ours.spec.activation == "silu"
+    torch.testing.assert_close(PagedRunner(ours, num_blocks=16).step([(0, prompt)])[0], want, atol=1e-4, rtol=1e-4)
+
+
 def _up_to_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
     """generate stops at an EOS; with ignore_eos the engine goes on."""
     return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in stop), tokens)
