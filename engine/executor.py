@@ -127,12 +127,17 @@ class Executor:
 
 
 def _unsampleable(logits: torch.Tensor, chosen: list[PlanItem]) -> dict[int, str]:
-    """Rows whose masks and processing left no finite logit, each with why; those rows are
-    zeroed so the batch still samples (their tokens are dropped). One such request (structured
-    output whose grammar can only end while min_tokens masks EOS) must not fail the others."""
-    empty = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()  # [S] -> rows with nothing left
+    """Rows whose masks left no finite logit, each with why; those rows are zeroed so the batch
+    still samples (their tokens are dropped). One such request (structured output whose grammar
+    can only end while min_tokens masks EOS) must not fail the others. Only rows with a grammar
+    or a bias (min_tokens' -inf masks) can lose every token: plain rows are not looked at."""
+    masked = [j for j, c in enumerate(chosen) if c.grammar is not None or c.logit_bias]
+    if not masked:
+        return {}
+    rows = torch.tensor(masked)
+    left = torch.isfinite(logits[rows]).any(dim=-1).tolist()  # [M]: does the row keep a token?
     failed = {}
-    for j in empty:
+    for j in (j for j, ok in zip(masked, left) if not ok):
         c = chosen[j]
         if c.grammar is not None and c.grammar.is_terminated():
             failed[j] = "no token can be sampled: the structured output is complete before min_tokens was reached"
