@@ -14,8 +14,9 @@ error names the field the client sent (the engine's is `logprobs`).
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import ClassVar, TypeVar
+from typing import TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -71,11 +72,9 @@ class SamplingFields(Struct, kw_only=True):
     guided_json: dict | bool | str | None = None  # vLLM's (older) name for a JSON schema
     structured_outputs: dict | None = None  # vLLM's {"json": schema}
 
-    NULL_DEFAULTS: ClassVar[dict[str, object]] = {"ignore_eos": False, "priority": 0, "stream": False}
-
     def __post_init__(self) -> None:
         """`null` counts as absent (fields.py): a field whose default is not None takes it back."""
-        for name, default in self.NULL_DEFAULTS.items():
+        for name, default in _non_null_defaults(type(self)):
             if getattr(self, name) is None:
                 setattr(self, name, default)
 
@@ -144,6 +143,12 @@ class SamplingFields(Struct, kw_only=True):
         return asked[0] if asked else None
 
 
+@functools.cache
+def _non_null_defaults(kind: type) -> tuple[tuple[str, object], ...]:
+    """(name, default) of a request Struct's fields whose default is a value, not None."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(kind) if f.default not in (None, msgspec.NODEFAULT))
+
+
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
@@ -159,8 +164,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     echo: bool | None = False
     logprobs: int | None = None
-
-    NULL_DEFAULTS: ClassVar[dict[str, object]] = {**SamplingFields.NULL_DEFAULTS, "echo": False}
 
     def resolved_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default
@@ -229,8 +232,6 @@ class ChatRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-
-    NULL_DEFAULTS: ClassVar[dict[str, object]] = {**SamplingFields.NULL_DEFAULTS, "logprobs": False}
 
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
