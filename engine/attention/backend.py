@@ -109,11 +109,11 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
             if refusal is not None:
                 print(f"[stepwise] attention_backend auto: torch, since {refusal}", file=sys.stderr)
             name = "cpu" if refusal is None and cpu_kernel_available() else "torch"
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"attention_backend 'cpu' is a CPU kernel; this engine runs on {device.type} (use 'auto')")
-    if name == "cpu":
+    elif name == "cpu":  # asked for by name (auto picks it only on CPU, for dtypes it takes)
         from engine.attention.cpu_backend import cpu_kernel_dtypes
 
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' is a CPU kernel; this engine runs on {device.type} (use 'auto')")
         refusal = cpu_kernel_dtypes(dtype, kv_dtype)
         if refusal is not None:
             raise ValueError(f"attention_backend 'cpu': {refusal} (use 'auto' or 'torch')")

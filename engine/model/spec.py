@@ -112,7 +112,9 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
 def _layer_windows(config, architecture: str) -> tuple[list[int | None], tuple[str, ...]]:
     """Per layer: the sliding window (None = global) and the layer type."""
     n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
-    bites = lambda field: (getattr(config, field, None) or config.max_position_embeddings) < config.max_position_embeddings  # noqa: E731
+    def bites(field: str) -> bool:  # set, and shorter than the context
+        return (getattr(config, field, None) or config.max_position_embeddings) < config.max_position_embeddings
+
     if bites("attention_chunk_size"):
         raise ValueError(f"unsupported attention_chunk_size {config.attention_chunk_size} (chunked local attention)")
     if architecture not in WINDOW_BY_LAYER_TYPE:

@@ -216,8 +216,8 @@ def _run(args) -> dict:
         cal = Calibration.load(args.calibration)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--calibration: {e}") from None
-    if cal.doubt():
-        print(f"{args.calibration}: {cal.doubt()}", file=sys.stderr)
+    if doubt := cal.doubt():
+        print(f"{args.calibration}: {doubt}", file=sys.stderr)
     if args.step_noise and cal.forward_ratios is None:
         print(f"{args.calibration} has no step ratios (an older calibration): every step lasts its prediction, "
               "without step noise; `engine-sim calibrate` again to have them", file=sys.stderr)
@@ -305,7 +305,6 @@ def _plots(args, targets, results: dict, runs: dict, found: dict, out_dir: Path)
     return report.plot(runs, out_dir, None)
 
 
-
 # --- calibrate ------------------------------------------------------------------------------------
 
 def _calibrate(args) -> Calibration:
@@ -349,8 +348,8 @@ def main(argv=None) -> None:
               + (f"; steps of <= {cal.split_rows} rows fitted apart" if cal.split_rows else "")
               + f"; long steps {cal.sustained * 100:.2f} % slower per second predicted")
         print(f"model {cal.model} ({cal.dtype}, KV {cal.kv_cache_dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
-        if cal.doubt():
-            print(f"warning: {cal.doubt()}", file=sys.stderr)
+        if doubt := cal.doubt():
+            print(f"warning: {doubt}", file=sys.stderr)
         return
     summary = _run(args)
     cal = summary["calibration"]

@@ -11,8 +11,9 @@ from frontends.http.token_text import TokenText
 
 def completion_logprobs(entries: list[TokenLogprob], tokens: TokenText, offset: int) -> CompletionLogprobs:
     """`offset`: where the first token's text starts (streamed: after the texts of the tokens
-    sent before, whether or not their text was released yet). top_logprobs holds the k most likely and the chosen token (as OpenAI's legacy
-    API: up to k + 1 entries); the prompt's first token has none."""
+    sent before, whether or not their text was released yet). top_logprobs holds the k most
+    likely and the chosen token (as OpenAI's legacy API: up to k + 1 entries); the prompt's
+    first token has none."""
     out = CompletionLogprobs([], [], [], [])
     for e in entries:
         text = tokens.text(e.token_id)
