@@ -84,7 +84,8 @@ def test_gguf_conversion_is_cached(real_model):
 
 def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_model):
     """With the dequantizer stubbed out: the first call converts, the second only finds the
-    `done` marker; a changed GGUF (new mtime) gets a fresh directory."""
+    `done` marker; the same bytes at another path (another venv's wheel) or with a new mtime
+    share it; changed bytes get a fresh directory."""
     import engine.model.loader as loader
 
     calls = []
@@ -113,10 +114,17 @@ def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_mod
     assert convert_gguf(gguf, cache) == first
     assert len(calls) == 2 and (first / "done").is_file()
 
+    elsewhere = tmp_path / "venv2" / "fake.gguf"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(gguf.read_bytes())
+    assert convert_gguf(elsewhere, cache) == first
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert convert_gguf(gguf, cache) == first and len(calls) == 2
+
+    gguf.write_bytes(b"GGUF changed")
     third = convert_gguf(gguf, cache)
-    assert third != first and len(calls) == 3
+    assert third != first and third.name.startswith("fake-") and len(calls) == 3
 
     # The converted directory loads (real from_pretrained) as a plain HF directory, same weights.
     monkeypatch.undo()
