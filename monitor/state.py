@@ -183,13 +183,16 @@ class MonitorState:
         rec, snap = self.last, self.snapshot
         if rec is None and snap is None:
             return None
-        # the step record is the newer source for counts; the snapshot adds block figures
+        # the step record is the newer source for counts. KV: the newer of the two (a snapshot's
+        # figures are read after its step), and the block count from that same fraction, so that
+        # "KV 50%" never sits beside another moment's "0/1,024 blocks in use"
+        kv_usage = snap.kv_usage if snap is not None and (rec is None or snap.step >= rec.step) else rec.kv_usage
         return QueueView(
             num_waiting=rec.num_waiting if rec else len(snap.waiting),
             num_running=rec.num_running if rec else len(snap.running),
-            kv_usage=rec.kv_usage if rec else snap.kv_usage,
+            kv_usage=kv_usage,
             num_blocks=snap.num_blocks if snap else None,
-            num_free_blocks=snap.num_free_blocks if snap else None,
+            num_free_blocks=snap.num_blocks - round(kv_usage * snap.num_blocks) if snap else None,
             num_preemptions=rec.num_preemptions if rec else snap.num_preemptions,
             prefix_cache_hit_rate=snap.prefix_cache_hit_rate if snap else None,
             num_finished=sum(self._finish_reasons.values()),

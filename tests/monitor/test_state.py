@@ -55,10 +55,13 @@ def test_finished_and_queue_view():
     import msgspec
 
     m.add(msgspec.structs.replace(record(1, [("d", "decode", 1, 3)], waiting=4, kv=0.5, preemptions=2), finished=fin))
-    m.on_state(state(1, [("d", 10, 10, 3, 16)]))
+    m.on_state(state(0, [("d", 10, 10, 3, 16)]))  # an older snapshot (KV 0.1, 900 of 1,024 free)
     q = m.queues()
     assert (q.num_waiting, q.num_running, q.kv_usage, q.num_preemptions) == (4, 1, 0.5, 2)
-    assert (q.num_blocks, q.num_free_blocks) == (1024, 900)
+    assert (q.num_blocks, q.num_free_blocks) == (1024, 512)  # the record's moment, not the snapshot's
+    m.on_state(state(1, [("d", 10, 10, 3, 16)]))  # a snapshot read after step 1: its KV figures are newer
+    q = m.queues()
+    assert (q.kv_usage, q.num_blocks, q.num_free_blocks) == (0.1, 1024, 922)
     assert q.num_finished == 3 and q.finish_reasons == (("stop", 2), ("length", 1))
     assert m.prompt_lengths() == {"d": 10}
 
