@@ -183,11 +183,14 @@ class EngineConfig:
         return frozenset({self.served_model_name, self.model.model})
 
     def __post_init__(self) -> None:
-        for name in SECTIONS:
+        for name, section_cls in SECTIONS.items():
             section = getattr(self, name)
-            for f in fields(section):  # inf or nan would pass every range check below
-                value = getattr(section, f.name)
-                _require(not isinstance(value, float) or math.isfinite(value), f.name, "must be a finite number")
+            if not isinstance(section, section_cls):
+                raise ValueError(f"config section {name!r} must be a {section_cls.__name__}, got "
+                                 f"{type(section).__name__} {section!r} (flat keys: EngineConfig().with_overrides(...))")
+            hints = get_type_hints(section_cls)
+            for f in fields(section):  # a section built in code has had no type check yet
+                _check_type(f.name, getattr(section, f.name), hints[f.name])
             section.validate()
 
     @classmethod
@@ -287,14 +290,19 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
 def _build(section_cls: type, values: dict[str, Any]) -> Any:
     hints = get_type_hints(section_cls)
     for key, value in list(values.items()):
-        expected = hints[key]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            values[key] = value = float(value)  # `priority_aging_s = 30` means 30.0
-        # bool is an int subclass: check it first so `port = true` is refused.
-        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if not ok:
-            raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+        if hints[key] is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = float(value)  # `priority_aging_s = 30` means 30.0
     return section_cls(**values)
+
+
+def _check_type(key: str, value: Any, expected: type) -> None:
+    """`value` is of the key's type: bool is no int (`port = true` is refused), an int is a float;
+    a float must be finite (inf or nan would pass every range check)."""
+    number = expected is float and isinstance(value, int) and not isinstance(value, bool)
+    ok = number or (isinstance(value, expected) and not (expected is not bool and isinstance(value, bool)))
+    if not ok:
+        raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    _require(not isinstance(value, float) or math.isfinite(value), key, "must be a finite number")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

@@ -43,6 +43,7 @@ from engine.step_cost_calibration import calibrate
 from engine.torch_thread import torch_thread
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, before any engine set one ([model] num_threads 0)
 STEP_SUBSCRIBER_BUFFER = 2048
 
 
@@ -63,6 +64,7 @@ class Engine:
         # request id -> its outputs, from submit until the final output is taken or it is aborted
         self._live: dict[str, OutputBuffer] = {}
         self.ready = False
+        self._started = False  # start() was called (and did not fail): an engine starts once
         self.dead: str | None = None
         self.tokenizer = None
         self.model_name = self.config.served_model_name
@@ -70,12 +72,17 @@ class Engine:
     # --- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> Engine:
+        if self._started:
+            raise RuntimeError("this engine was already started" + (" and has stopped; create a new Engine "
+                               "(a loaded model can be passed on with Engine(config, loaded=...))" if self.dead else ""))
+        self._started = True
         # All torch work of this engine, from loading to every step, on one thread (engine/torch_thread.py)
         thread = torch_thread()
         try:
             return await self._start(thread)
         except BaseException:
             thread.shutdown(wait=False)  # the executor never took it over
+            self._started = False  # nothing runs: start may be tried again
             raise
 
     async def _start(self, thread: ThreadPoolExecutor) -> Engine:
@@ -84,10 +91,10 @@ class Engine:
             raise ValueError(f"device 'cuda': this torch ({torch.__version__}) sees no CUDA device; use 'auto' or 'cpu'")
         device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.model.device == "auto" else cfg.model.device)
-        if cfg.model.num_threads:
-            torch.set_num_threads(cfg.model.num_threads)
         dtype = DTYPES[cfg.model.dtype]
         on_thread = functools.partial(asyncio.get_running_loop().run_in_executor, thread)
+        # on the engine's thread, not the caller's: another engine's setting must not leak into this one
+        await on_thread(torch.set_num_threads, cfg.model.num_threads or DEFAULT_THREADS)
         loaded = self._loaded or await on_thread(load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype)
         kv_name = cfg.cache.kv_dtype_for(cfg.model.dtype)
         kv_dtype = DTYPES[kv_name]
@@ -196,6 +203,11 @@ class Engine:
             raise EngineDeadError(self.dead or "engine is not started")
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise RequestError(f"request_id must be a non-empty string (or None for a generated one), got "
+                               f"{request_id!r}", "request_id")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use by a live request", "request_id")
@@ -245,8 +257,13 @@ class Engine:
         """The outputs of a submitted request, until its final one. Leaving early aborts it."""
         outputs = self._live.get(request_id)
         if outputs is None:
+            if self.dead:
+                raise EngineDeadError(f"no live request with id {request_id!r}: {self.dead}")
             raise RequestError(f"no live request with id {request_id!r} (finished and read, aborted, or never submitted)",
                                "request_id")
+        if outputs.has_reader:  # a second reader would wait forever for outputs the first one takes
+            raise RequestError(f"request {request_id!r} is already being read by another stream", "request_id")
+        outputs.has_reader = True
         finished = False
         try:
             while True:
@@ -280,11 +297,17 @@ class Engine:
 
     def step_cost(self) -> CostFigures:
         """The step-cost model: coefficients, fit quality, last predicted vs actual step."""
+        self._require_built()
         return self.scheduler.cost.figures()
 
     def snapshot(self) -> EngineSnapshot:
         """Queues as of the scheduler's last turn; KV figures as of now."""
+        self._require_built()
         kv = self.block_manager.figures
         return msgspec.structs.replace(
             self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate
         )
+
+    def _require_built(self) -> None:
+        if not hasattr(self, "scheduler"):  # the actors exist once start() has built them
+            raise EngineDeadError("engine is not started")

@@ -97,7 +97,7 @@ class Intake:
             raise ContextLengthError(
                 f"request needs {total} tokens of KV cache ({len(ids)} prompt + {msg.params.max_tokens} "
                 f"completion) but the whole pool holds {self.kv_capacity_tokens}; it could never run",
-                "max_tokens",
+                "prompt" if len(ids) >= self.kv_capacity_tokens else "max_tokens",
             )
         if any(t >= self.vocab_size for t in msg.params.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")

@@ -67,6 +67,7 @@ class OutputBuffer:
         self._ended: set[int] = set()  # choices whose final output was put (nothing of theirs may follow)
         self._num_finals_taken = 0
         self._abandoned = False
+        self.has_reader = False  # set by Engine.stream: a second reader is refused
         self._items: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future | None = None
         self.num_coalesced = 0  # outputs merged into an earlier one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import re
 import time
 
 import msgspec
@@ -45,6 +46,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
+        """Refuse a field of the wrong type (as the HTTP API's typed decoding does: a library
+        caller's `seed=True` or `stop="x"` must not reach the scheduler) or out of range,
+        raising RequestError naming it."""
+        _check_types(self)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
@@ -94,6 +99,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+_FIELD = re.compile(r"`\$\.(\w+)")  # the field in msgspec's path: "at `$.seed`", "at `key` in `$.logit_bias`"
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Every field has its declared type (a bool is not an int, an int is a float), checked by
+    msgspec as the HTTP API's decoding checks it."""
+    if isinstance(params.stop, str):
+        raise RequestError(f"stop must be a list of strings, got the string {params.stop!r} (wrap it in a list)",
+                           "stop")
+    if params.structured_output is not None and not isinstance(params.structured_output, StructuredOutput):
+        raise RequestError(f"structured_output must be a StructuredOutput (e.g. StructuredOutput.from_schema(...)), "
+                           f"got {type(params.structured_output).__name__}", "structured_output")
+    try:
+        msgspec.convert(msgspec.structs.asdict(params), SamplingParams)
+    except msgspec.ValidationError as e:
+        field = _FIELD.search(str(e))
+        raise RequestError(f"invalid sampling parameter: {e}", field.group(1) if field else None) from None
 
 
 def _is_number(x: object) -> bool:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import SECTIONS, EngineConfig, all_keys, parse_sweep, parse_value, section_of
+from engine.config import (
+    SECTIONS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, all_keys, parse_sweep, parse_value, section_of,
+)
 
 CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
 
@@ -178,3 +180,21 @@ def test_kv_dtype_for():
     """auto: the model's dtype; otherwise the kv_cache_dtype asked for."""
     assert EngineConfig.load(CONFIG).cache.kv_dtype_for("bfloat16") == "bfloat16"
     assert EngineConfig.load(CONFIG, kv_cache_dtype="float16").cache.kv_dtype_for("float32") == "float16"
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: EngineConfig(cache=CacheConfig(num_blocks=2.5)), "'num_blocks': expected int, got float"),
+    (lambda: EngineConfig(model=ModelConfig(num_threads="1")), "'num_threads': expected int, got str"),
+    (lambda: EngineConfig(cache=CacheConfig(block_size=True)), "'block_size': expected int, got bool"),
+    (lambda: EngineConfig(scheduler=SchedulerConfig(calibrate_step_cost="no")), "'calibrate_step_cost': expected bool"),
+    (lambda: EngineConfig(scheduler=SchedulerConfig(priority_aging_s=float("inf"))), "'priority_aging_s' must be finite"),
+    (lambda: EngineConfig(model="tiny-random"), "section 'model' must be a ModelConfig, got str"),
+])
+def test_a_config_built_in_code_is_checked_as_a_loaded_one(build, message):
+    """Sections built in code used to skip the type checks; start() then failed late, naming no key."""
+    with pytest.raises(ValueError, match=message.replace("finite", "a finite number")):
+        build()
+
+
+def test_a_config_built_in_code_takes_an_int_for_a_float():
+    assert EngineConfig(scheduler=SchedulerConfig(priority_aging_s=3)).scheduler.priority_aging_s == 3

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,18 @@ def stop_token_ids(hf_model: PreTrainedModel, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+# transformers' loading is not thread-safe (two models loaded at once on two threads can come out
+# with a tied weight left on the meta device), and tiny_llama seeds torch's global generator:
+# one load at a time per process, whichever engine's thread asks.
+_LOADING = threading.Lock()
+
+
 def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    with _LOADING:
+        return _load(spec, cache_dir, dtype)
+
+
+def _load(spec: str, cache_dir: Path, dtype: torch.dtype) -> LoadedModel:
     if spec == "tiny-random":
         return LoadedModel(tiny_llama().to(dtype), tiny_tokenizer(), "tiny-random")
     if spec in WHEEL_MODELS:

@@ -51,12 +51,13 @@ def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 259, hidden
         eos_token_id=2,
         pad_token_id=0,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # Default init (std 0.02) makes a near-uniform next-token distribution where greedy
-    # argmax ties are common; larger weights give decisive, reproducible greedy text.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
+    with torch.random.fork_rng(devices=[]):  # seeded here without touching the caller's random stream
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        # Default init (std 0.02) makes a near-uniform next-token distribution where greedy
+        # argmax ties are common; larger weights give decisive, reproducible greedy text.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.15)
     return model.eval()

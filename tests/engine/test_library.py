@@ -1,0 +1,161 @@
+"""The engine as a library: what a caller gets wrong is refused at the call site, naming it,
+and never reaches the actors; an engine starts once; loads and thread settings stay its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.errors import ContextLengthError, EngineDeadError, RequestError
+from engine.model import loader
+from engine.model.tiny import tiny_llama
+from tests.engine.util import greedy, run_request, tiny_config
+
+# params a library caller can build (SamplingParams does no checks when constructed) that the
+# HTTP API's typed decoding refuses: each must be refused at submit, naming its field
+WRONGLY_TYPED = [
+    ("seed", dict(seed=True, temperature=0.7)),  # used to crash the scheduler: the whole engine died
+    ("seed", dict(seed=False, temperature=0.7)),
+    ("top_k", dict(top_k=True, temperature=0.7)),  # used to fail every request of its step
+    ("stop", dict(stop="answer")),  # used to stop at any of its characters
+    ("stop", dict(stop=None)),
+    ("stop_token_ids", dict(stop_token_ids=5)),
+    ("stop_token_ids", dict(stop_token_ids=[True])),
+    ("logit_bias", dict(logit_bias=None)),
+    ("logit_bias", dict(logit_bias={True: 1.0})),
+    ("structured_output", dict(structured_output={"type": "object"})),
+    ("ignore_eos", dict(ignore_eos="no")),  # used to be read as true
+    ("temperature", dict(temperature=True)),
+    ("top_p", dict(top_p="0.5")),
+]
+
+
+async def test_wrongly_typed_params_are_refused_naming_the_field_and_harm_no_one():
+    async with Engine(tiny_config(num_threads=1)) as engine:
+        bystander = asyncio.create_task(run_request(engine, [5, 6, 7], greedy(40)))
+        for field, kwargs in WRONGLY_TYPED:
+            with pytest.raises(RequestError) as refused:
+                await engine.submit([1, 2, 3], SamplingParams(max_tokens=4, **kwargs))
+            assert refused.value.param == field, (kwargs, str(refused.value))
+        with pytest.raises(RequestError, match="params must be a SamplingParams") as refused:
+            await engine.submit([1, 2, 3], {"max_tokens": 4})
+        assert refused.value.param == "params"
+        result = await asyncio.wait_for(bystander, 60)
+        assert result.finish_reason == "length" and len(result.token_ids) == 40
+        assert (await run_request(engine, [1, 2, 3], SamplingParams(max_tokens=3, seed=7))).finish_reason == "length"
+        assert not engine.dead
+
+
+def test_well_typed_params_pass_the_type_check():
+    SamplingParams(temperature=1, top_p=1, logit_bias={5: 2}, stop=["a"], stop_token_ids=[3], seed=0).validate()
+
+
+@pytest.mark.parametrize("request_id", ["", 5, b"id"])
+async def test_a_request_id_must_be_a_non_empty_string(request_id):
+    async with Engine(tiny_config(num_threads=1)) as engine:
+        with pytest.raises(RequestError, match="request_id must be a non-empty string") as refused:
+            await engine.submit([1, 2], greedy(2), request_id=request_id)
+        assert refused.value.param == "request_id"
+
+
+async def test_a_second_reader_of_one_request_is_refused_not_left_waiting():
+    async with Engine(tiny_config(num_threads=1)) as engine:
+        rid = await engine.submit([1, 2, 3], greedy(30))
+        first = engine.stream(rid)
+        out = await anext(first)
+        with pytest.raises(RequestError, match="already being read") as refused:
+            await anext(engine.stream(rid))
+        assert refused.value.param == "request_id"
+        tokens = list(out.token_ids)
+        async for out in first:
+            tokens += out.token_ids
+        assert out.finish_reason == "length" and len(tokens) == 30
+
+
+async def test_an_engine_starts_once():
+    engine = Engine(tiny_config(num_threads=1, calibrate_step_cost=False))
+    with pytest.raises(EngineDeadError, match="not started"):
+        engine.snapshot()
+    with pytest.raises(EngineDeadError, match="not started"):
+        engine.step_cost()
+    await engine.start()
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match="already started"):
+        await engine.start()  # used to load a second model and leave the first actors orphaned
+    assert threading.active_count() == threads
+    start = time.monotonic()
+    await engine.stop()
+    assert time.monotonic() - start < 10  # the orphans used to hold stop for 2 x 30 s
+    with pytest.raises(RuntimeError, match="has stopped; create a new Engine"):
+        await engine.start()  # used to "start", then refuse every request with "engine stopped"
+    with pytest.raises(EngineDeadError, match="engine stopped"):
+        await anext(engine.stream("req-never"))
+
+
+async def test_a_failed_start_may_be_tried_again(monkeypatch):
+    def failing(*args):
+        raise OSError("disk unplugged")
+
+    monkeypatch.setattr("engine.engine.load_model", failing)
+    engine = Engine(tiny_config(num_threads=1, calibrate_step_cost=False))
+    with pytest.raises(OSError, match="disk unplugged"):
+        await engine.start()
+    monkeypatch.undo()
+    async with engine:
+        assert (await run_request(engine, [1, 2], greedy(2))).finish_reason == "length"
+
+
+async def test_num_threads_is_the_engines_own():
+    caller = torch.get_num_threads()
+    async with Engine(tiny_config(num_threads=1, calibrate_step_cost=False)) as one:
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(one.executor._thread, torch.get_num_threads) == 1
+        assert torch.get_num_threads() == caller  # set on the engine's thread, not the caller's
+    async with Engine(tiny_config(num_threads=0, calibrate_step_cost=False)) as default:
+        from engine.engine import DEFAULT_THREADS
+
+        # 0 = torch's own default, not what the previous engine set
+        assert await loop.run_in_executor(default.executor._thread, torch.get_num_threads) == DEFAULT_THREADS
+
+
+def test_building_the_tiny_model_leaves_the_callers_random_stream_alone():
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    tiny_llama()
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_model_loads_run_one_at_a_time(monkeypatch, tmp_path):
+    """transformers' loading is not thread-safe: two engines starting at once used to get a
+    tied weight left on the meta device. Loads from several threads never overlap."""
+    active, most = [0], [0]
+
+    def slow_load(*args):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        time.sleep(0.05)
+        active[0] -= 1
+
+    monkeypatch.setattr(loader, "_load", slow_load)
+    threads = [threading.Thread(target=loader.load_model, args=("tiny-random", tmp_path)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+
+
+async def test_a_prompt_longer_than_the_kv_pool_names_the_prompt():
+    async with Engine(tiny_config(num_threads=1, num_blocks=4, block_size=16, calibrate_step_cost=False)) as engine:
+        with pytest.raises(ContextLengthError, match="could never run") as refused:
+            await engine.submit(list(range(3, 100)), greedy(1))  # 97 prompt tokens, a 64-token pool
+        assert refused.value.param == "prompt"
+        with pytest.raises(ContextLengthError, match="could never run") as refused:
+            await engine.submit(list(range(3, 40)), greedy(40))
+        assert refused.value.param == "max_tokens"
