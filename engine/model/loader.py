@@ -28,12 +28,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine import memory
+from engine.model.gguf_tokenizer import open_tokenizer, save_tokenizer
 from engine.model.spec import ARCHITECTURES, spec_from_config
 from engine.model.tiny import tiny_llama, tiny_tokenizer
 from engine.model.wheel_model import WHEEL_MODELS, WheelModelError
 
 DEFAULT_MODEL = "smollm2-135m"
 SUPPORTED_ARCHITECTURES = ARCHITECTURES
+# GGUF `general.architecture` values whose conversion gives one of ARCHITECTURES (llama.cpp writes
+# Mistral as "llama"; older files say "mistral")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 class ModelLoadError(RuntimeError):
@@ -101,7 +105,7 @@ def load_tokenizer(spec: str, cache_dir: Path):
         path = convert_gguf(locate_wheel_gguf(spec, cache_dir) if spec in WHEEL_MODELS else path, cache_dir)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model {spec!r} not found (see load_model for the accepted specs)")
-    return AutoTokenizer.from_pretrained(str(path))
+    return open_tokenizer(path)
 
 
 def locate_wheel_gguf(spec: str, cache_dir: Path) -> Path:
@@ -117,18 +121,26 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{_content_key(gguf, cache_dir)}"
     if (target / "done").exists():
         return target
-    num_params = _gguf_params(gguf)
+    arch, num_params = _gguf_header(gguf)
+    if arch is not None and arch not in GGUF_ARCHITECTURES:  # refused before a conversion it could not use
+        raise ModelLoadError(f"{gguf.name}: unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
     if num_params is not None:
         _require_memory(gguf.name, num_params, torch.float32, "while transformers dequantizes the file")
     print(f"[stepwise] one-time conversion of {gguf.name} -> {target}", file=sys.stderr)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # transformers shows a progress bar while it dequantizes the tensors.
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    _save_plain(model, tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers shows a progress bar while it dequantizes the tensors.
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        _save_plain(model, tmp)
+        save_tokenizer(tokenizer, tmp, gguf.name)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"{gguf.name}: could not be converted through transformers' GGUF loader: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
     (tmp / "done").write_text("ok\n")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
@@ -194,18 +206,22 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     if type(model).__name__ != archs[0]:
         raise ModelLoadError(f"{path}: config.json names {archs[0]} but transformers built {type(model).__name__}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = open_tokenizer(path)
     return LoadedModel(model, tokenizer, name, gguf)
 
 
-def _gguf_params(path: Path) -> int | None:
-    """Parameters in a GGUF file, None where gguf cannot read it (transformers then says why)."""
+def _gguf_header(path: Path) -> tuple[str | None, int | None]:
+    """A GGUF file's architecture and parameter count; None where gguf cannot read them
+    (transformers then says why)."""
     from gguf import GGUFReader  # reads the header and maps the tensors: ~1-2 s, once per conversion
 
     try:
-        return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+        reader = GGUFReader(str(path))
     except (ValueError, OSError):
-        return None
+        return None, None
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    return arch, sum(int(t.n_elements) for t in reader.tensors)
 
 
 def _safetensors_params(path: Path) -> int | None:

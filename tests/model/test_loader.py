@@ -152,3 +152,23 @@ def test_a_model_larger_than_the_free_memory_is_refused_before_loading(tmp_path,
     with pytest.raises(ModelLoadError, match="tiny.gguf: its .* in float32 while transformers dequantizes the file"):
         load_model(str(tmp_path / "tiny.gguf"), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("tiny-*"))  # refused before the conversion began
+
+
+def test_an_unsupported_gguf_architecture_is_refused_before_conversion(tmp_path):
+    """A GPT-2 file used to fail deep in transformers ("ignore_mismatched_sizes"), naming neither
+    gpt2 nor "unsupported"; a StableLM one was refused only after a full conversion."""
+    from tests.model.test_gguf_weights import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "other.gguf", arch="gpt2")
+    with pytest.raises(ModelLoadError, match="other.gguf: unsupported GGUF architecture 'gpt2'; supported: llama, "):
+        load_model(str(tmp_path / "other.gguf"), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("other-*"))
+
+
+def test_a_failed_conversion_is_a_load_error_and_leaves_nothing_behind(tmp_path):
+    from tests.model.test_gguf_weights import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "notok.gguf")  # a llama file with no tokenizer in it
+    with pytest.raises(ModelLoadError, match="notok.gguf: could not be converted through transformers' GGUF loader"):
+        load_model(str(tmp_path / "notok.gguf"), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("notok-*"))  # no half-written .tmp directory
