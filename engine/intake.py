@@ -3,7 +3,9 @@
 Everything that can be refused is refused here, before a request touches the engine: bad
 sampling parameters, an empty or too long prompt, a prompt that could never fit the KV
 pool, a full waiting queue, a JSON schema the grammar compiler refuses. Long prompts are
-tokenized on a worker thread; grammars are compiled on another (engine/structured/compiler.py).
+tokenized on a worker thread; grammars are compiled on another (engine/structured/compiler.py),
+each request with a schema waiting for it in its own task, so that the requests behind it are
+admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
 from engine.detokenizer import Detokenizer
-from engine.errors import ContextLengthError, QueueFullError, RequestError
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
 from engine.messages import IntakeMsg, Shutdown, Submit
 from engine.request import Request, choice_seed
 from engine.structured.compiler import GrammarCache
@@ -52,33 +54,50 @@ class Intake:
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
+        self._compiling: set[asyncio.Task] = set()  # requests waiting for their grammar (they count as waiting)
 
     async def run(self) -> None:
         try:
             while True:
                 match await self.inbox.get():
+                    case Submit() as msg if getattr(msg.params, "structured_output", None) is not None:
+                        # A schema may take seconds (or minutes) to compile: the requests behind
+                        # it are admitted meanwhile, as vLLM's wait for their grammar apart.
+                        task = asyncio.create_task(self._handle(msg), name=f"stepwise-grammar-{msg.request_id}")
+                        self._compiling.add(task)
+                        task.add_done_callback(self._compiling.discard)
                     case Submit() as msg:
-                        try:
-                            request = await self._admit(msg)
-                        except Exception as e:  # refused: the caller gets the reason
-                            if not msg.reply.done():
-                                msg.reply.set_exception(e)
-                            continue
-                        self.add(request)
-                        if not msg.reply.done():
-                            msg.reply.set_result(None)
+                        await self._handle(msg)
                     case Shutdown():
                         return
         finally:
+            for task in self._compiling:
+                task.cancel()
             self._thread.shutdown(wait=False)
             self.grammars.close()
+
+    async def _handle(self, msg: Submit) -> None:
+        try:
+            request = await self._admit(msg)
+        except asyncio.CancelledError:  # the engine stops while the grammar compiles
+            if not msg.reply.done():
+                msg.reply.set_exception(EngineDeadError("engine stopped"))
+            raise
+        except Exception as e:  # refused: the caller gets the reason
+            if not msg.reply.done():
+                msg.reply.set_exception(e)
+            return
+        self.add(request)
+        if not msg.reply.done():
+            msg.reply.set_result(None)
 
     async def _admit(self, msg: Submit) -> Request:
         msg.params.validate()
         if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
             raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
                                "(max_num_seqs)", "n")
-        if self.num_waiting() >= self.max_waiting:
+        compiling = len(self._compiling - {asyncio.current_task()})  # others waiting for their grammar
+        if self.num_waiting() + compiling >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
         ids = await self._tokenize(msg)
         if not ids:

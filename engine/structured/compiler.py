@@ -18,18 +18,22 @@ from engine.errors import RequestError
 from engine.structured.schema_fix import bounded_strings_as_patterns
 from engine.structured.spec import StructuredOutput
 
-DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: ~tens of KiB to MiB)
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: ~tens of KiB to MiB) ...
+DEFAULT_CACHE_BYTES = 512 << 20  # ... and at most this many bytes of them (a 20,000-value enum takes ~80 MB)
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[10:42:33] /project/cpp/x.cc:5082: "
 
 
 class GrammarCache:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int], max_size: int = DEFAULT_CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int], max_size: int = DEFAULT_CACHE_SIZE,
+                 max_bytes: int = DEFAULT_CACHE_BYTES):
         """vocab_size: the width of the model's logits, which may exceed len(tokenizer) (padded
         embeddings): the extra ids are never allowed by a mask."""
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_size = max_size
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # the kept grammars' memory_size_bytes
         self.num_hits = 0
         self.num_misses = 0
         self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
@@ -60,8 +64,10 @@ class GrammarCache:
         finally:
             self._pending.pop(key, None)
         self._compiled[key] = compiled
-        while len(self._compiled) > self.max_size:
-            self._compiled.popitem(last=False)
+        self.num_bytes += compiled.memory_size_bytes
+        # the newest is kept even alone over max_bytes: the request (and any same-schema one) uses it now
+        while len(self._compiled) > 1 and (len(self._compiled) > self.max_size or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:

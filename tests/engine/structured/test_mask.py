@@ -102,6 +102,27 @@ def test_cache_compiles_each_schema_once_and_evicts_least_recent():
     cache.close()
 
 
+def test_cache_is_bounded_by_bytes_as_well():
+    """A few schemas with huge enums used to keep ~80 MB each for as long as 256 entries fit."""
+    tok = tiny_tokenizer()
+    schemas = [StructuredOutput.from_schema({"enum": [f"{k}-{i}" for i in range(50)]}) for k in "abc"]
+
+    async def run():
+        sizes = [(await probe.get(s)).memory_size_bytes for s in schemas]
+        cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]), max_bytes=sizes[0] + sizes[1])
+        for s in schemas:
+            await cache.get(s)
+        assert len(cache) == 2 and cache.num_bytes == sizes[1] + sizes[2]  # a, least recent, went
+        tiny = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]), max_bytes=1)
+        await tiny.get(schemas[0])
+        assert len(tiny) == 1  # the newest stays, even alone over the bound
+        cache.close(), tiny.close()
+
+    probe = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
+    asyncio.run(run())
+    probe.close()
+
+
 def test_key_order_is_kept_in_the_cache_key():
     one = StructuredOutput.from_schema({"type": "object", "properties": {"a": {}, "b": {}}})
     two = StructuredOutput.from_schema('{"properties": {"b": {}, "a": {}}, "type": "object"}')
