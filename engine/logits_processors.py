@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from engine.messages import Penalties
+from engine.messages import Penalties, TokenBias
 from engine.sampler import SAMPLING_EPS
 
 
@@ -26,7 +26,7 @@ class RowSampling(Protocol):
     temperature: float
     min_p: float
     penalties: Penalties | None
-    logit_bias: list[tuple[int, float]]
+    logit_bias: TokenBias | None
 
 
 def needs_processing(rows: Sequence[RowSampling]) -> bool:
@@ -36,7 +36,7 @@ def needs_processing(rows: Sequence[RowSampling]) -> bool:
 def process_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     """logits: [B, V] float32, modified in place (if contiguous) and returned; rows[i] describes logits[i]."""
     logits = logits.contiguous()
-    apply_logit_bias(logits, [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias])
+    apply_logit_bias(logits, [(i, r.logit_bias) for i, r in enumerate(rows) if r.logit_bias])
     penalised = [i for i, r in enumerate(rows) if r.penalties is not None]
     if penalised:
         apply_penalties(logits, penalised, [rows[i].penalties for i in penalised])
@@ -46,13 +46,14 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.T
     return logits
 
 
-def apply_logit_bias(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
-    """logits: [B, V]; entries: (row, token id, bias). One scatter-add for the whole batch."""
-    if not entries:
+def apply_logit_bias(logits: torch.Tensor, biased: list[tuple[int, TokenBias]]) -> None:
+    """logits: [B, V]; biased: (row, its bias). One scatter-add for the whole batch."""
+    if not biased:
         return
-    rows, tokens, biases = zip(*entries)
-    logits.index_put_((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(biases, dtype=logits.dtype),
-                      accumulate=True)
+    rows = torch.cat([torch.full((len(bias),), i, dtype=torch.int64) for i, bias in biased])  # [K]
+    tokens = torch.cat([bias.token_ids for _, bias in biased])  # [K]
+    values = torch.cat([bias.biases for _, bias in biased]).to(logits.dtype)  # [K]
+    logits.index_put_((rows, tokens), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], penalties: Sequence[Penalties]) -> None:

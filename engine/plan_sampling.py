@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.messages import Penalties, PlanItem
+from engine.messages import Penalties, PlanItem, TokenBias
 from engine.request import Request
 
 
@@ -32,7 +32,7 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
             prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         )
     if len(req.output_token_ids) < p.min_tokens:
-        fields["logit_bias"] = fixed.get("logit_bias", []) + [(t, float("-inf")) for t in req.stop_ids]
+        fields["logit_bias"] = fixed.get("logit_bias", _NO_BIAS).masking(sorted(req.stop_ids))
     # most steps have no field of their own: the fixed dict itself (callers only unpack it)
     return {**fixed, **fields} if fields else fixed
 
@@ -47,7 +47,7 @@ def _fixed_fields(req: Request) -> dict:
     if p.min_p > 0.0:
         fields["min_p"] = float(p.min_p)
     if p.logit_bias:
-        fields["logit_bias"] = [(t, float(b)) for t, b in p.logit_bias.items()]
+        fields["logit_bias"] = TokenBias.of([(t, float(b)) for t, b in p.logit_bias.items()])
     if p.logprobs is not None:
         fields["logprobs"] = p.logprobs
     # a value equal to the item's default is left out: a keyword costs a PlanItem more than
@@ -56,6 +56,7 @@ def _fixed_fields(req: Request) -> dict:
 
 
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(PlanItem)}
+_NO_BIAS = TokenBias.of([])
 
 
 def _is_default(name: str, value) -> bool:

@@ -21,14 +21,17 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     def from_schema(cls, schema: object, param: str = "response_format") -> StructuredOutput:
         """A schema given as a dict / bool (or JSON text), in compact canonical JSON so equal
         schemas share one compiled grammar."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(f"{param}: a JSON schema must be an object or a boolean", param)
-        return cls(json_schema=canonical(schema), param=param)
+        try:  # json reads and writes nesting recursively
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError(f"{param}: a JSON schema must be an object or a boolean", param)
+            return cls(json_schema=canonical(schema), param=param)
+        except RecursionError:
+            raise RequestError(f"{param}: the JSON schema is nested too deeply", param) from None
 
     @property
     def cache_key(self) -> str:
@@ -40,6 +43,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             schema = json.loads(self.json_schema)
         except (json.JSONDecodeError, TypeError) as e:
             raise RequestError(f"{self.param}: the JSON schema is not valid JSON: {e}", self.param) from None
+        except RecursionError:
+            raise RequestError(f"{self.param}: the JSON schema is nested too deeply", self.param) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{self.param}: a JSON schema must be an object or a boolean", self.param)
 

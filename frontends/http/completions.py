@@ -89,7 +89,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     echoes: list[str | None] = [None] * len(prompts)
     if body.echo:
         ensure_ready(state, params)  # the tokenizer is there
-        echoes = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
+        echoes = [p if isinstance(p, str) else _echo_text(state.engine.tokenizer, p) for p in prompts]
     response_id, created = state.new_id("cmpl"), state.clock()
     tokens = state.token_text if body.logprobs is not None else None
 
@@ -99,3 +99,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     jobs = [Job(p, None, params, body.stream, body.include_usage) for p in prompts]
     return await generate(request, state, jobs, make)
+
+
+def _echo_text(tokenizer, ids: list[int]) -> str:
+    """The echoed prompt's text; ids the engine would refuse are refused first, as it would
+    (decoding them would fail, e.g. OverflowError for a negative id)."""
+    if any(not 0 <= t < len(tokenizer) for t in ids):
+        raise ApiError(400, f"prompt token ids must be integers in [0, {len(tokenizer)})", param="prompt")
+    return tokenizer.decode(ids)

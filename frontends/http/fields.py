@@ -143,7 +143,7 @@ def check_refused(body: bytes, endpoint: Endpoint) -> None:
             raise ApiError(400, _unrecognized(name, endpoint), param=name, code="unrecognized_field")
         try:
             value = msgspec.json.decode(raw)
-        except msgspec.DecodeError:  # e.g. a lone surrogate escape: not a neutral value either
+        except (msgspec.DecodeError, RecursionError):  # e.g. a lone surrogate escape: not a neutral value either
             value = None
         if value is not None and any(value == v and type(value) is type(v) for v in entry.neutral):
             continue

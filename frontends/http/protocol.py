@@ -152,10 +152,9 @@ def _non_null_defaults(kind: type) -> tuple[tuple[str, object], ...]:
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not (key.isascii() and key.isdigit()):  # int() would also take " 5 ", "1_0" and "٥"
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
     return out
 
 
@@ -217,7 +216,7 @@ def _template_call(call: dict) -> dict:
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
             arguments = msgspec.json.decode(function["arguments"])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nested too deeply: a string as well
             return call
         if isinstance(arguments, dict):
             return {**call, "function": {**function, "arguments": arguments}}
@@ -270,6 +269,8 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise ApiError(400, f"invalid request: {e}", param=_param(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec decodes nested arrays and objects recursively
+        raise ApiError(400, "request body is nested too deeply") from None
 
 
 # --- responses ------------------------------------------------------------------------------

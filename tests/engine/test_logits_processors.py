@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine.logits_processors import needs_processing, process_logits
 from engine.logprobs import token_logprobs
-from engine.messages import Penalties
+from engine.messages import Penalties, TokenBias
 from engine.sampler import sample
 
 V = 40
@@ -24,13 +24,17 @@ class Row:
     temperature: float = 1.0
     min_p: float = 0.0
     penalties: Penalties | None = None
-    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias)
+
+    @property
+    def logit_bias(self) -> TokenBias | None:  # as the plan carries it
+        return TokenBias.of(self.bias) if self.bias else None
 
 
 def reference(logits: torch.Tensor, row: Row) -> torch.Tensor:
     """One row, one token at a time, as the APIs define it."""
     x = [float(v) for v in logits]
-    for t, b in row.logit_bias:
+    for t, b in row.bias:
         x[t] += b
     p = row.penalties
     if p is not None:
@@ -54,7 +58,7 @@ rows_strategy = st.builds(
     penalties=st.none() | st.builds(
         Penalties, presence=st.floats(-2, 2), frequency=st.floats(-2, 2),
         repetition=st.sampled_from([1.0, 0.7, 1.3, 2.0]), output_token_ids=token_lists, prompt_token_ids=token_lists),
-    logit_bias=st.lists(st.tuples(st.integers(0, V - 1), st.floats(-100, 100)), max_size=4, unique_by=lambda e: e[0])
+    bias=st.lists(st.tuples(st.integers(0, V - 1), st.floats(-100, 100)), max_size=4, unique_by=lambda e: e[0])
     | st.lists(st.tuples(st.integers(0, V - 1), st.just(-math.inf)), max_size=3, unique_by=lambda e: e[0]),
 )
 
@@ -85,7 +89,7 @@ def test_neutral_rows_skip_processing_and_greedy_is_unchanged():
     assert not needs_processing(rows)
     neutral = [Row(temperature=0.0, penalties=Penalties(presence=0.0, frequency=0.0, repetition=1.0,
                                                         output_token_ids=[1, 2, 3], prompt_token_ids=[]),
-                   logit_bias=[(5, 0.0)])] * 8
+                   bias=[(5, 0.0)])] * 8
     processed = process_logits(logits.clone(), neutral)
     assert sample(processed, [0.0] * 8, [0] * 8, [1.0] * 8, [None] * 8) == logits.argmax(-1).tolist()
 
@@ -99,7 +103,7 @@ def test_min_p_keeps_exactly_the_tokens_above_the_threshold():
 def test_bias_minus_inf_bans_and_plus_100_forces():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
     top = int(logits[0].argmax())
-    out = process_logits(logits.clone(), [Row(logit_bias=[(top, -math.inf)]), Row(logit_bias=[(7, 100.0)])])
+    out = process_logits(logits.clone(), [Row(bias=[(top, -math.inf)]), Row(bias=[(7, 100.0)])])
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
     for _ in range(20):
         a, b = sample(out, [1.0, 1.0], [0, 0], [1.0, 1.0], gens)
@@ -118,3 +122,30 @@ def test_token_logprobs_sorted_and_consistent():
         for t, lp in e.top:
             assert lp == pytest.approx(float(ref[i, t]), abs=1e-6)
     assert out[0].top[0] == (chosen[0], pytest.approx(out[0].logprob))
+
+
+async def test_a_requests_bias_is_made_once_not_per_step(tiny_model):
+    """A bias on the whole vocabulary used to become Python tuples at every step (~2 s a step
+    for the whole batch with n=16); every step's item now carries the one TokenBias made for it."""
+    from engine import Engine, SamplingParams
+    from tests.engine.util import run_request, tiny_config
+
+    seen = []
+
+    def record(plan):
+        seen.extend(item.logit_bias for item in plan.items if item.sample)
+
+    vocab = len(tiny_model.tokenizer)
+    bias = {t: -1.0 for t in range(vocab)}
+    async with Engine(tiny_config(policy="continuous"), loaded=tiny_model, fault_hook=record) as engine:
+        result = await run_request(engine, [3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                                        logit_bias=bias))
+        assert len(result.token_ids) == 6 and len(seen) == 6
+        assert all(b is seen[0] for b in seen) and len(seen[0]) == vocab
+        seen.clear()
+        eos = tiny_model.tokenizer.eos_token_id
+        await run_request(engine, [3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={7: 2.0},
+                                                            min_tokens=2))
+        masked, plain = seen[:2], seen[2:]  # under min_tokens EOS is banned as well
+        assert all(b.token_ids.tolist() == [7, eos] and b.biases.tolist() == [2.0, -math.inf] for b in masked)
+        assert all(b is plain[0] and b.token_ids.tolist() == [7] for b in plain)

@@ -51,6 +51,15 @@ BAD = [
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}', 400,
      "max_completion_tokens", "reduce the length of the messages or max_completion_tokens"),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "model": "nope"}', 404, "model", "does not exist"),
+    # a 500 with a RecursionError traceback, before: nesting ~1,000 deep, in the body or in a JSON string
+    (COMPLETIONS, b'{"prompt": "x", "structured_outputs": {"json": ' + b"[" * 1000 + b"]" * 1000 + b"}}", 400, None,
+     "request body is nested too deeply"),
+    (COMPLETIONS, b'{"prompt": "x", "guided_json": "' + b"[" * 1000 + b"]" * 1000 + b'"}', 400, "guided_json",
+     "the JSON schema is nested too deeply"),
+    (COMPLETIONS, b'{"prompt": [-1, 5], "echo": true}', 400, "prompt", "prompt token ids must be integers"),  # was 500
+    (COMPLETIONS, b'{"prompt": [5, 10000000000000], "echo": true}', 400, "prompt", "prompt token ids must be integers"),
+    (COMPLETIONS, b'{"prompt": "x", "logit_bias": {" 5 ": 1}}', 400, "logit_bias", "keys must be token ids"),
+    (COMPLETIONS, b'{"prompt": "x", "logit_bias": {"1_0": 1}}', 400, "logit_bias", "keys must be token ids"),
 ]
 
 

@@ -121,3 +121,13 @@ def test_tools_reach_the_chat_template():
     prompt = chat_prompt(tok, MESSAGES, TOOLS)
     assert prompt.startswith("TOOLS:") and '"get_weather"' in prompt and '"Weather forecast"' in prompt
     assert not chat_prompt(tok, MESSAGES).startswith("TOOLS:")
+
+
+def test_a_call_whose_arguments_nest_too_deeply_stays_a_string():
+    """Its decode used to raise RecursionError: a 500."""
+    from frontends.http.protocol import _template_call
+
+    deep = "[" * 5000 + "]" * 5000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    assert _template_call(call) == call
+    assert _template_call({**call, "function": {"name": "f", "arguments": '{"a": 1}'}})["function"]["arguments"] == {"a": 1}
