@@ -12,7 +12,6 @@ import math
 from typing import Any, Literal, NamedTuple
 
 import msgspec
-import torch
 
 from engine.output_buffer import OutputBuffer
 from engine.request import Request, SamplingParams
@@ -158,11 +157,15 @@ class TokenBias(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, pairs: list[tuple[int, float]]) -> TokenBias:
+        import torch  # here: the monitor and the simulator read these messages without torch
+
         ids, values = zip(*pairs) if pairs else ((), ())
         return cls(torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
 
     def masking(self, token_ids: list[int]) -> TokenBias:
         """This bias with `token_ids` banned as well (min_tokens' EOS and stop ids)."""
+        import torch
+
         return TokenBias(torch.cat([self.token_ids, torch.tensor(token_ids, dtype=torch.int64)]),
                          torch.cat([self.biases, torch.full((len(token_ids),), -math.inf)]))
 

@@ -32,7 +32,8 @@ def sampling_fields(req: Request, start: int, num_tokens: int, sample: bool) -> 
             prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else [],
         )
     if len(req.output_token_ids) < p.min_tokens:
-        fields["logit_bias"] = fixed.get("logit_bias", _NO_BIAS).masking(sorted(req.stop_ids))
+        bias = fixed.get("logit_bias") or TokenBias.of([])
+        fields["logit_bias"] = bias.masking(sorted(req.stop_ids))
     # most steps have no field of their own: the fixed dict itself (callers only unpack it)
     return {**fixed, **fields} if fields else fixed
 
@@ -56,7 +57,6 @@ def _fixed_fields(req: Request) -> dict:
 
 
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(PlanItem)}
-_NO_BIAS = TokenBias.of([])
 
 
 def _is_default(name: str, value) -> bool:
