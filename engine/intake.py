@@ -54,7 +54,8 @@ class Intake:
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
-        self._compiling: set[asyncio.Task] = set()  # requests waiting for their grammar (they count as waiting)
+        self._compiling: set[asyncio.Task] = set()  # requests on their way to their grammar (cancelled on stop)
+        self._num_compiling = 0  # those admitted and waiting for it: they count as waiting
 
     async def run(self) -> None:
         try:
@@ -74,7 +75,6 @@ class Intake:
             for task in self._compiling:
                 task.cancel()
             self._thread.shutdown(wait=False)
-            self.grammars.close()
 
     async def _handle(self, msg: Submit) -> None:
         try:
@@ -96,8 +96,7 @@ class Intake:
         if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
             raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
                                "(max_num_seqs)", "n")
-        compiling = len(self._compiling - {asyncio.current_task()})  # others waiting for their grammar
-        if self.num_waiting() + compiling >= self.max_waiting:
+        if self.num_waiting() + self._num_compiling >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
         ids = await self._tokenize(msg)
         if not ids:
@@ -126,7 +125,11 @@ class Intake:
         arrival = next(self._arrivals)
         compiled = None
         if msg.params.structured_output is not None:
-            compiled = await self.grammars.get(msg.params.structured_output)
+            self._num_compiling += 1
+            try:
+                compiled = await self.grammars.get(msg.params.structured_output)
+            finally:
+                self._num_compiling -= 1
 
         def choice(index: int) -> Request:  # n > 1: each choice its own stream, seed and grammar state
             request_id = msg.request_id if index == 0 else f"{msg.request_id}#{index}"

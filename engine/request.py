@@ -111,11 +111,22 @@ def _check_types(params: SamplingParams) -> None:
     if params.structured_output is not None and not isinstance(params.structured_output, StructuredOutput):
         raise RequestError(f"structured_output must be a StructuredOutput (e.g. StructuredOutput.from_schema(...)), "
                            f"got {type(params.structured_output).__name__}", "structured_output")
+    fields = {name: _plain(value) for name, value in msgspec.structs.asdict(params).items()}
     try:
-        msgspec.convert(msgspec.structs.asdict(params), SamplingParams)
+        msgspec.convert(fields, SamplingParams)
     except msgspec.ValidationError as e:
         field = _FIELD.search(str(e))
         raise RequestError(f"invalid sampling parameter: {e}", field.group(1) if field else None) from None
+
+
+def _plain(value: object) -> object:
+    """A subclass of float or int (numpy.float64, an IntEnum) as the plain number it is: msgspec
+    takes only exact types, and such values always passed here before."""
+    if isinstance(value, float) and type(value) is not float:
+        return float(value)
+    if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
+        return int(value)
+    return value
 
 
 def _is_number(x: object) -> bool:

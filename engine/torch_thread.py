@@ -45,11 +45,13 @@ async def in_passing_thread(fn: Callable[..., T], *args) -> T:
 
     def body() -> None:
         try:
-            result = fn(*args)
+            result, error = fn(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, e)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed (its program ended mid-call): nobody waits
+            pass
 
     thread = threading.Thread(target=body, name="stepwise-passing", daemon=True)
     thread.start()

@@ -77,6 +77,9 @@ class MonitorState:
         self.config: dict = {}
         self.engine_note = ""  # "engine loading" / "engine dead: …" from the state endpoint
         self.replicas: list[str] = []  # a cluster ingress's replicas (from the state endpoint)
+        # KV usage as last received: a record's is as of its step, a snapshot's as of its poll
+        # (read after its step), so whichever came last is the newer, across a restart too
+        self.kv_usage: float | None = None
         self.status = StatusView("connecting", "")
         self.num_steps_seen = 0
         self._ttft: deque[float] = deque(maxlen=LATENCY_SAMPLES)
@@ -104,6 +107,8 @@ class MonitorState:
 
     def on_state(self, state: EngineState) -> None:
         self.snapshot = state.snapshot  # None while the engine is loading
+        if state.snapshot is not None:
+            self.kv_usage = state.snapshot.kv_usage
         self.config = state.config
         self.engine_note = "" if state.ready else f"engine dead: {state.dead}" if state.dead else "engine loading"
         self.replicas = [r.name for r in state.replicas]
@@ -114,6 +119,7 @@ class MonitorState:
             self.reset()  # the engine restarted: its step numbers start over
         for f in record.finished:
             self._finish_reasons[f.finish_reason] += 1
+        self.kv_usage = record.kv_usage
         if record.is_idle:
             return  # no step ran: only the finished requests count
         self.records.append(record)
@@ -183,10 +189,9 @@ class MonitorState:
         rec, snap = self.last, self.snapshot
         if rec is None and snap is None:
             return None
-        # the step record is the newer source for counts. KV: the newer of the two (a snapshot's
-        # figures are read after its step), and the block count from that same fraction, so that
-        # "KV 50%" never sits beside another moment's "0/1,024 blocks in use"
-        kv_usage = snap.kv_usage if snap is not None and (rec is None or snap.step >= rec.step) else rec.kv_usage
+        # the step record is the newer source for counts. KV: as last received, and the block
+        # count from that same fraction, so "KV 50%" never sits beside another moment's blocks
+        kv_usage = self.kv_usage if self.kv_usage is not None else (rec or snap).kv_usage
         return QueueView(
             num_waiting=rec.num_waiting if rec else len(snap.waiting),
             num_running=rec.num_running if rec else len(snap.running),

@@ -118,9 +118,11 @@ def locate_wheel_gguf(spec: str, cache_dir: Path) -> Path:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF once into a safetensors HF directory; return that directory."""
-    target = cache_dir / f"{gguf.stem}-{_content_key(gguf, cache_dir)}"
-    if (target / "done").exists():
-        return target
+    key = _content_key(gguf, cache_dir)
+    target = cache_dir / f"{gguf.stem}-{key}"
+    done = [d for d in (target, *sorted(cache_dir.glob(f"*-{key}"))) if (d / "done").exists()]
+    if done:  # this file's conversion, under this name or another (a renamed copy)
+        return done[0]
     arch, num_params = _gguf_header(gguf)
     if arch is not None and arch not in GGUF_ARCHITECTURES:  # refused before a conversion it could not use
         raise ModelLoadError(f"{gguf.name}: unsupported GGUF architecture {arch!r}; supported: "
@@ -217,7 +219,7 @@ def _gguf_header(path: Path) -> tuple[str | None, int | None]:
 
     try:
         reader = GGUFReader(str(path))
-    except (ValueError, OSError):
+    except Exception:  # noqa: BLE001 - a truncated or foreign file: ValueError, OSError, IndexError, ...
         return None, None
     field = reader.get_field("general.architecture")
     arch = field.contents() if field is not None else None

@@ -24,10 +24,7 @@ BENCH_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
 def bench_matchers(tokenizer, vocab_size: int, stop_token_ids: frozenset[int], n: int) -> list[xgr.GrammarMatcher]:
     """n fresh matchers (compiled once, through the engine's own cache and compiler)."""
     cache = GrammarCache(tokenizer, vocab_size, stop_token_ids)
-    try:
-        compiled = asyncio.run(cache.get(StructuredOutput.from_schema(BENCH_SCHEMA)))
-    finally:
-        cache.close()
+    compiled = asyncio.run(cache.get(StructuredOutput.from_schema(BENCH_SCHEMA)))
     return [cache.matcher(compiled) for _ in range(n)]
 
 

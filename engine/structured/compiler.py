@@ -1,7 +1,12 @@
-"""Compiled grammars, one per distinct schema: compiled on a worker thread (never on the event
-loop: a large schema over a 50k-token vocabulary takes tens of milliseconds or more), kept in
-an LRU keyed by the schema's canonical JSON. Owned by the intake actor, which turns a request's
-StructuredOutput into a fresh matcher before the request reaches the scheduler.
+"""Compiled grammars, one per distinct schema: compiled off the event loop (a large schema over
+a 50k-token vocabulary takes tens of milliseconds; a pathological one, minutes), kept in an LRU
+keyed by the schema's canonical JSON and bounded by count and bytes. Owned by the intake actor,
+which turns a request's StructuredOutput into a fresh matcher before the request reaches the
+scheduler.
+
+Each compile runs on a daemon thread of its own, at most COMPILE_THREADS at once: xgrammar
+cannot interrupt a compile, so one slow schema holds one of them (not every other schema), and
+a process stopping mid-compile exits without waiting for it.
 """
 
 from __future__ import annotations
@@ -9,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import xgrammar as xgr
 
 from engine.errors import RequestError
 from engine.structured.schema_fix import bounded_strings_as_patterns
 from engine.structured.spec import StructuredOutput
+from engine.torch_thread import in_passing_thread
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: ~tens of KiB to MiB) ...
 DEFAULT_CACHE_BYTES = 512 << 20  # ... and at most this many bytes of them (a 20,000-value enum takes ~80 MB)
+COMPILE_THREADS = 2
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[10:42:33] /project/cpp/x.cc:5082: "
 
 
@@ -39,7 +46,8 @@ class GrammarCache:
         self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._pending: dict[str, asyncio.Future] = {}  # schemas being compiled now (one compile each)
         self._compiler: xgr.GrammarCompiler | None = None  # built on first use (reads the whole vocabulary)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-grammar")
+        self._compiler_lock = threading.Lock()
+        self._slots = asyncio.Semaphore(COMPILE_THREADS)
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -57,8 +65,7 @@ class GrammarCache:
             self.num_hits += 1
             return await asyncio.shield(pending)
         self.num_misses += 1
-        loop = asyncio.get_running_loop()
-        pending = self._pending[key] = loop.run_in_executor(self._thread, self._compile, spec)
+        pending = self._pending[key] = asyncio.ensure_future(self._compile_soon(spec))
         try:
             compiled = await asyncio.shield(pending)
         finally:
@@ -74,17 +81,19 @@ class GrammarCache:
         """A fresh per-request matcher: its state is the request's position in the grammar."""
         return xgr.GrammarMatcher(compiled)
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=False)
+    async def _compile_soon(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        async with self._slots:
+            return await in_passing_thread(self._compile, spec)
 
-    # --- worker thread ------------------------------------------------------------------
+    # --- compile threads ----------------------------------------------------------------
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            # our own LRU decides what is kept; xgrammar's cache would keep a second copy
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                # our own LRU decides what is kept; xgrammar's cache would keep a second copy
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         try:
             # any_whitespace=False: JSON with single spaces after ',' and ':' only. A model may
             # otherwise spend its whole budget on whitespace (small models do), never closing.

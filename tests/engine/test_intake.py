@@ -63,3 +63,93 @@ async def test_a_slow_grammar_does_not_hold_the_requests_behind_it(tiny_model, m
             assert (await constrained).text in ("true", "false")
             async for _ in engine.stream(await second):
                 pass
+
+
+def _slowed(monkeypatch, slow_schema: str):
+    """Compiles of `slow_schema` wait for the returned event (on their compile thread, as a
+    pathological schema's would); other schemas compile as usual."""
+    import threading
+
+    from engine.structured.compiler import GrammarCache
+
+    release = threading.Event()
+    compile_for_real = GrammarCache._compile
+
+    def compile_(self, spec):
+        if spec.json_schema == slow_schema:
+            release.wait(60)
+        return compile_for_real(self, spec)
+
+    monkeypatch.setattr(GrammarCache, "_compile", compile_)
+    return release
+
+
+async def test_schema_requests_arriving_together_share_the_queue_as_plain_ones_do(tiny_model):
+    """Each counted the others still being checked: three at once with room for two were all refused."""
+    from engine import StructuredOutput
+    from engine.errors import QueueFullError
+
+    async with asyncio.timeout(60):
+        async with Engine(tiny_config(max_waiting=2), loaded=tiny_model) as engine:
+            schema = StructuredOutput.from_schema({"type": "boolean"})
+            params = SamplingParams(max_tokens=4, temperature=0.0, structured_output=schema)
+            outcomes = await asyncio.gather(*(engine.submit([3, 4], params) for _ in range(3)), return_exceptions=True)
+            assert sum(isinstance(o, str) for o in outcomes) >= 2, outcomes
+            assert all(isinstance(o, (str, QueueFullError)) for o in outcomes), outcomes
+            for rid in (o for o in outcomes if isinstance(o, str)):
+                async for _ in engine.stream(rid):
+                    pass
+
+
+async def test_a_slow_schema_holds_one_compile_thread_not_every_schema(tiny_model, monkeypatch):
+    from engine import StructuredOutput
+
+    slow = StructuredOutput.from_schema({"type": "string"})
+    release = _slowed(monkeypatch, slow.json_schema)
+    async with asyncio.timeout(60):
+        async with Engine(tiny_config(), loaded=tiny_model) as engine:
+            stuck = asyncio.create_task(engine.submit([3], SamplingParams(max_tokens=2, structured_output=slow)))
+            await asyncio.sleep(0.2)
+            other = StructuredOutput.from_schema({"type": "boolean"})
+            result = await run_request(engine, [3, 4], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                      structured_output=other))
+            assert result.text in ("true", "false") and not stuck.done()
+            release.set()
+            async for _ in engine.stream(await stuck):
+                pass
+
+
+SLOW_EXIT = """
+import asyncio, sys, threading, time
+from engine import Engine, SamplingParams, StructuredOutput
+from engine.structured.compiler import GrammarCache
+from tests.engine.util import tiny_config
+
+GrammarCache._compile = lambda self, spec: time.sleep(120)  # a schema that takes minutes
+
+async def main():
+    async with Engine(tiny_config(calibrate_step_cost=False)) as engine:
+        submit = asyncio.create_task(engine.submit([3], SamplingParams(structured_output=StructuredOutput.from_schema({}))))
+        await asyncio.sleep(0.5)
+    try:
+        await submit
+    except Exception as e:
+        print(type(e).__name__, e)
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_stopping_mid_compile_exits_without_waiting_for_it():
+    """The compile thread was joined at interpreter exit: a server took ~25 s to exit on SIGTERM."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.engine.util import REPO
+
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", SLOW_EXIT], capture_output=True, text=True, cwd=REPO, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "EngineDeadError engine stopped" in out.stdout
+    assert time.monotonic() - start < 60  # start-up and stop take seconds; the compile would take 120

@@ -52,7 +52,16 @@ async def test_wrongly_typed_params_are_refused_naming_the_field_and_harm_no_one
 
 
 def test_well_typed_params_pass_the_type_check():
+    import enum
+
+    import numpy as np
+
+    class Level(enum.IntEnum):
+        HIGH = 1
+
     SamplingParams(temperature=1, top_p=1, logit_bias={5: 2}, stop=["a"], stop_token_ids=[3], seed=0).validate()
+    # subclasses of float and int are the numbers they are (numpy.float64 used to pass, and must still)
+    SamplingParams(temperature=np.float64(0.5), top_p=np.float64(0.9), priority=Level.HIGH).validate()
 
 
 @pytest.mark.parametrize("request_id", ["", 5, b"id"])

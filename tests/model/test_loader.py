@@ -122,6 +122,10 @@ def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_mod
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert convert_gguf(gguf, cache) == first and len(calls) == 2
 
+    renamed = tmp_path / "renamed.gguf"  # the same bytes under another name: no second conversion
+    renamed.write_bytes(gguf.read_bytes())
+    assert convert_gguf(renamed, cache) == first and len(calls) == 2
+
     gguf.write_bytes(b"GGUF changed")
     third = convert_gguf(gguf, cache)
     assert third != first and third.name.startswith("fake-") and len(calls) == 3
@@ -165,10 +169,13 @@ def test_an_unsupported_gguf_architecture_is_refused_before_conversion(tmp_path)
     assert not list((tmp_path / "cache").glob("other-*"))
 
 
-def test_a_failed_conversion_is_a_load_error_and_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("cut", [None, 200])  # whole, or cut inside its header (an IndexError in gguf's reader)
+def test_a_failed_conversion_is_a_load_error_and_leaves_nothing_behind(tmp_path, cut):
     from tests.model.test_gguf_weights import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "notok.gguf")  # a llama file with no tokenizer in it
+    if cut:
+        (tmp_path / "notok.gguf").write_bytes((tmp_path / "notok.gguf").read_bytes()[:cut])
     with pytest.raises(ModelLoadError, match="notok.gguf: could not be converted through transformers' GGUF loader"):
         load_model(str(tmp_path / "notok.gguf"), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("notok-*"))  # no half-written .tmp directory

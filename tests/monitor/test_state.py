@@ -54,16 +54,19 @@ def test_finished_and_queue_view():
            FinishedRequest("c", "stop", 1.5, 10, 3)]
     import msgspec
 
-    m.add(msgspec.structs.replace(record(1, [("d", "decode", 1, 3)], waiting=4, kv=0.5, preemptions=2), finished=fin))
-    m.on_state(state(0, [("d", 10, 10, 3, 16)]))  # an older snapshot (KV 0.1, 900 of 1,024 free)
+    m.on_state(state(1, [("d", 10, 10, 3, 16)]))  # KV 0.1, 900 of 1,024 free
+    m.add(msgspec.structs.replace(record(2, [("d", "decode", 1, 3)], waiting=4, kv=0.5, preemptions=2), finished=fin))
     q = m.queues()
     assert (q.num_waiting, q.num_running, q.kv_usage, q.num_preemptions) == (4, 1, 0.5, 2)
-    assert (q.num_blocks, q.num_free_blocks) == (1024, 512)  # the record's moment, not the snapshot's
-    m.on_state(state(1, [("d", 10, 10, 3, 16)]))  # a snapshot read after step 1: its KV figures are newer
+    assert (q.num_blocks, q.num_free_blocks) == (1024, 512)  # the record's moment, not the older snapshot's
+    m.on_state(state(2, [("d", 10, 10, 3, 16)]))  # polled after step 2: its KV figures are newer
     q = m.queues()
     assert (q.kv_usage, q.num_blocks, q.num_free_blocks) == (0.1, 1024, 922)
     assert q.num_finished == 3 and q.finish_reasons == (("stop", 2), ("length", 1))
     assert m.prompt_lengths() == {"d": 10}
+    m.add(record(500, [("d", "decode", 1, 3)], kv=0.9))
+    m.on_state(state(0))  # the server restarted (steps start over) and is idle: the snapshot is the news
+    assert m.queues().kv_usage == 0.1
 
 
 def test_status_keeps_the_reason_while_retrying():

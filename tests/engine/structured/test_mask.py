@@ -20,8 +20,7 @@ VOCAB = 300  # wider than the tokenizer's 259 ids, as padded model vocabularies 
 def cache() -> GrammarCache:
     tok = tiny_tokenizer()
     cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
-    yield cache
-    cache.close()
+    return cache
 
 
 def matcher(cache: GrammarCache, schema) -> object:
@@ -99,7 +98,6 @@ def test_cache_compiles_each_schema_once_and_evicts_least_recent():
         assert cache.num_misses == misses + 1
 
     asyncio.run(run())
-    cache.close()
 
 
 def test_cache_is_bounded_by_bytes_as_well():
@@ -116,11 +114,9 @@ def test_cache_is_bounded_by_bytes_as_well():
         tiny = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]), max_bytes=1)
         await tiny.get(schemas[0])
         assert len(tiny) == 1  # the newest stays, even alone over the bound
-        cache.close(), tiny.close()
 
     probe = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
     asyncio.run(run())
-    probe.close()
 
 
 def test_key_order_is_kept_in_the_cache_key():
