@@ -24,6 +24,12 @@ from engine.request import Request, choice_seed
 from engine.structured.compiler import GrammarCache
 
 
+def check_prompt_ids(ids: list, vocab_size: int) -> None:
+    """A prompt's token ids are ids the model has (also checked by an echo before it decodes them)."""
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+
+
 class Intake:
     def __init__(
         self,
@@ -101,8 +107,7 @@ class Intake:
         ids = await self._tokenize(msg)
         if not ids:
             raise RequestError("prompt is empty", "prompt")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        check_prompt_ids(ids, self.vocab_size)
         total = len(ids) + msg.params.max_tokens
         if total > self.max_model_len:
             raise ContextLengthError(

@@ -49,25 +49,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Refuse a field of the wrong type (as the HTTP API's typed decoding does: a library
         caller's `seed=True` or `stop="x"` must not reach the scheduler) or out of range,
         raising RequestError naming it."""
-        _check_types(self)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        _check_types(self)  # below, every field has its declared type: only ranges are left to check
+        if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        if not 0.0 <= self.temperature <= 100.0:
             raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", "seed")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not all(self.stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if len(self.stop) > 16:
             raise RequestError("at most 16 stop strings", "stop")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise RequestError(f"priority must be an integer, got {self.priority!r}", "priority")
         if self.structured_output is not None:
             self.structured_output.validate()
         for name in ("presence_penalty", "frequency_penalty"):
@@ -80,21 +78,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if token < 0:
                 raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
             if not _is_number(bias) or not -100.0 <= bias <= 100.0:
                 raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
                                    "logit_bias")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens:
+        if self.min_tokens < 0:
             raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                                "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+        if not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
 
 

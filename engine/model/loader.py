@@ -141,8 +141,9 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         save_tokenizer(tokenizer, tmp, gguf.name)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = str(e).strip()
         raise ModelLoadError(f"{gguf.name}: could not be converted through transformers' GGUF loader: "
-                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
+                             f"{reason.splitlines()[-1] if reason else type(e).__name__}") from e
     (tmp / "done").write_text("ok\n")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)

@@ -8,7 +8,9 @@ from aiohttp import web
 from msgspec import UNSET
 
 from engine import RequestOutput
-from frontends.http.errors import ApiError
+from engine.errors import RequestError
+from engine.intake import check_prompt_ids
+from frontends.http.errors import ApiError, from_engine
 from frontends.http.fields import check_refused
 from frontends.http.generate import Job, ensure_ready, generate
 from frontends.http.logprobs import completion_logprobs
@@ -104,6 +106,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 def _echo_text(tokenizer, ids: list[int]) -> str:
     """The echoed prompt's text; ids the engine would refuse are refused first, as it would
     (decoding them would fail, e.g. OverflowError for a negative id)."""
-    if any(not 0 <= t < len(tokenizer) for t in ids):
-        raise ApiError(400, f"prompt token ids must be integers in [0, {len(tokenizer)})", param="prompt")
+    try:
+        check_prompt_ids(ids, len(tokenizer))
+    except RequestError as e:
+        raise from_engine(e) from None
     return tokenizer.decode(ids)
