@@ -15,7 +15,7 @@ _WHERE = {
     "EngineConfig": "engine.config",
     "Engine": "engine.engine",
     "ContextLengthError": "engine.errors", "EngineDeadError": "engine.errors", "QueueFullError": "engine.errors",
-    "RequestError": "engine.errors",
+    "RequestAbortedError": "engine.errors", "RequestError": "engine.errors",
     "EngineSnapshot": "engine.messages", "FinishedRequest": "engine.messages", "RequestOutput": "engine.messages",
     "StepItem": "engine.messages", "StepRecord": "engine.messages",
     "SamplingParams": "engine.request",
@@ -26,7 +26,7 @@ __all__ = sorted(_WHERE)
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+    from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
     from engine.messages import EngineSnapshot, FinishedRequest, RequestOutput, StepItem, StepRecord
     from engine.request import SamplingParams
     from engine.structured.spec import StructuredOutput

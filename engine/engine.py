@@ -125,7 +125,7 @@ class Engine:
             cfg.scheduler.priority_aging_s, cost=StepCostModel(split_rows=model.small_step_rows),
         )
         self.intake = Intake(
-            self.tokenizer, self.scheduler.add, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
+            self.tokenizer, self.scheduler.add, self.scheduler.abort, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
             shape.vocab_size,
             cfg.scheduler.max_num_seqs,
@@ -198,7 +198,8 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Validate and enqueue a request; return its id. Raises RequestError,
-        ContextLengthError, QueueFullError or EngineDeadError."""
+        ContextLengthError, QueueFullError or EngineDeadError, and RequestAbortedError when
+        `abort(request_id)` came while intake still held it (waiting for its grammar)."""
         if self.dead or not self.ready:
             raise EngineDeadError(self.dead or "engine is not started")
         if (prompt is None) == (messages is None):
@@ -222,8 +223,7 @@ class Engine:
         except asyncio.CancelledError:
             # The caller gave up while intake worked: if intake accepts, abort right after.
             self._forget(request_id, outputs)
-            reply.add_done_callback(lambda f: f.cancelled() or f.exception() or self.scheduler.inbox.put_nowait(
-                AbortRequest(request_id)))
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception() or self.scheduler.abort(request_id))
             raise
         except Exception:
             self._forget(request_id, outputs)
@@ -277,12 +277,14 @@ class Engine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """End a request; its stream (if one is read) gets a final output with "abort"."""
+        """End a request; its stream (if one is read) gets a final output with "abort". A
+        request still waiting for its grammar is refused instead: its submit raises
+        RequestAbortedError."""
         outputs = self._live.get(request_id)
         if outputs is not None:
             outputs.abandon()  # forgotten once it ends, even if nobody reads its final output
-        if self._tasks:
-            self.scheduler.inbox.put_nowait(AbortRequest(request_id))
+        if self._tasks:  # through intake, behind the Submit: it may still hold the request
+            self.intake.inbox.put_nowait(AbortRequest(request_id))
 
     # --- observation --------------------------------------------------------------------
 
@@ -301,11 +303,12 @@ class Engine:
         return self.scheduler.cost.figures()
 
     def snapshot(self) -> EngineSnapshot:
-        """Queues as of the scheduler's last turn; KV figures as of now."""
+        """Queues as of the scheduler's last turn; KV figures and grammar waits as of now."""
         self._require_built()
         kv = self.block_manager.figures
         return msgspec.structs.replace(
-            self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate
+            self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate,
+            num_waiting_for_grammar=self.intake.num_compiling,
         )
 
     def _require_built(self) -> None:

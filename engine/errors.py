@@ -17,5 +17,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should retry later."""
 
 
+class RequestAbortedError(RuntimeError):
+    """`Engine.abort` named the request while intake still held it (its grammar compiling):
+    `submit` raises this instead of returning the id."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (fatal executor failure or shutdown); no new requests are taken."""

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
 from engine.detokenizer import Detokenizer
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
-from engine.messages import IntakeMsg, Shutdown, Submit
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
+from engine.messages import AbortRequest, IntakeMsg, Shutdown, Submit
 from engine.request import Request, choice_seed
 from engine.structured.compiler import GrammarCache
 
@@ -35,6 +35,7 @@ class Intake:
         self,
         tokenizer,
         add: Callable[[Request], None],
+        abort: Callable[[str], None],
         max_model_len: int,
         kv_capacity_tokens: int,
         max_waiting: int,
@@ -46,6 +47,7 @@ class Intake:
     ):
         self.tokenizer = tokenizer
         self.add = add  # hands an accepted request to the scheduler
+        self.abort = abort  # passes an abort on to the scheduler, after the request it names
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_waiting = max_waiting
@@ -60,8 +62,9 @@ class Intake:
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # [model] seed: requests without a seed still sample reproducibly
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
-        self._compiling: set[asyncio.Task] = set()  # requests on their way to their grammar (cancelled on stop)
-        self._num_compiling = 0  # those admitted and waiting for it: they count as waiting
+        self._compiling: dict[str, asyncio.Task] = {}  # request id -> its task, on its way to its grammar
+        self._aborted: set[str] = set()  # of those, the ones Engine.abort cancelled (the others: the engine stops)
+        self.num_compiling = 0  # those admitted and waiting for it: they count as waiting
 
     async def run(self) -> None:
         try:
@@ -71,21 +74,35 @@ class Intake:
                         # A schema may take seconds (or minutes) to compile: the requests behind
                         # it are admitted meanwhile, as vLLM's wait for their grammar apart.
                         task = asyncio.create_task(self._handle(msg), name=f"stepwise-grammar-{msg.request_id}")
-                        self._compiling.add(task)
-                        task.add_done_callback(self._compiling.discard)
+                        self._compiling[msg.request_id] = task
+                        task.add_done_callback(lambda _, rid=msg.request_id: self._compiling.pop(rid, None))
                     case Submit() as msg:
                         await self._handle(msg)
+                    case AbortRequest(request_id):
+                        # In this inbox behind the Submit it names: a request still waiting for
+                        # its grammar is refused now; any other has reached the scheduler.
+                        task = self._compiling.pop(request_id, None)
+                        if task is not None:
+                            self._aborted.add(request_id)
+                            task.cancel()
+                        self.abort(request_id)
                     case Shutdown():
                         return
         finally:
-            for task in self._compiling:
+            for task in self._compiling.values():
                 task.cancel()
             self._thread.shutdown(wait=False)
 
     async def _handle(self, msg: Submit) -> None:
         try:
             request = await self._admit(msg)
-        except asyncio.CancelledError:  # the engine stops while the grammar compiles
+        except asyncio.CancelledError:  # aborted, or the engine stops, while the grammar compiles
+            if msg.request_id in self._aborted:
+                self._aborted.discard(msg.request_id)
+                if not msg.reply.done():
+                    msg.reply.set_exception(RequestAbortedError(
+                        f"request {msg.request_id!r} was aborted while its grammar compiled"))
+                return
             if not msg.reply.done():
                 msg.reply.set_exception(EngineDeadError("engine stopped"))
             raise
@@ -102,7 +119,7 @@ class Intake:
         if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
             raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
                                "(max_num_seqs)", "n")
-        if self.num_waiting() + self._num_compiling >= self.max_waiting:
+        if self.num_waiting() + self.num_compiling >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
         ids = await self._tokenize(msg)
         if not ids:
@@ -130,15 +147,16 @@ class Intake:
         arrival = next(self._arrivals)
         compiled = None
         if msg.params.structured_output is not None:
-            self._num_compiling += 1
+            self.num_compiling += 1
             try:
                 compiled = await self.grammars.get(msg.params.structured_output)
             finally:
-                self._num_compiling -= 1
+                self.num_compiling -= 1
 
         def choice(index: int) -> Request:  # n > 1: each choice its own stream, seed and grammar state
             request_id = msg.request_id if index == 0 else f"{msg.request_id}#{index}"
-            detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens)
+            detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens,
+                                msg.params.include_stop_str_in_output)
             grammar = self.grammars.matcher(compiled) if compiled is not None else None
             return Request(request_id, ids, msg.params, detok, self.eos_token_ids, arrival, msg.outputs,
                            choice_seed(seed, index), grammar, index, msg.request_id)

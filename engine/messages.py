@@ -116,6 +116,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_free_blocks: int
     num_preemptions: int
     prefix_cache_hit_rate: float
+    num_waiting_for_grammar: int = 0  # accepted by intake, their JSON schema still compiling
 
 
 # --- the plan the scheduler hands the executor ---------------------------------------------
@@ -237,7 +238,7 @@ class Submit(msgspec.Struct, tag=True):
     reply: asyncio.Future  # -> None once accepted, or the exception that refused it
 
 
-IntakeMsg = Submit | Shutdown
+IntakeMsg = Submit | AbortRequest | Shutdown
 
 
 class Execute(msgspec.Struct, tag=True):

@@ -138,6 +138,10 @@ class Scheduler:
         self._num_adds_pending += 1
         self.inbox.put_nowait(AddRequest(request))
 
+    def abort(self, request_id: str) -> None:
+        """End a request (or every choice of a group) at the scheduler's next turn."""
+        self.inbox.put_nowait(AbortRequest(request_id))
+
     @property
     def num_queued(self) -> int:
         """Requests accepted and not yet running: what admission control must count, even
@@ -161,8 +165,8 @@ class Scheduler:
                     self.requests[r.request_id] = r  # the choices to fork wait outside the queues
                 self._enqueue(request)
             case AbortRequest(request_id):
-                # Intake puts AddRequest in this inbox before submit() returns the id, so an
-                # unknown id has already left (or never existed): nothing to do.
+                # Aborts come through intake, behind the request they name, so an unknown
+                # id has already left (or never existed): nothing to do.
                 req = self.requests.get(request_id)
                 if req is None or req.params.n > 1:  # every choice of the group still here
                     members = [r for r in self.requests.values() if r.group_id == request_id]

@@ -30,7 +30,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from engine import EngineDeadError, QueueFullError, RequestError, RequestOutput, SamplingParams
+from engine import EngineDeadError, QueueFullError, RequestAbortedError, RequestError, RequestOutput, SamplingParams
 from frontends.http import sse
 from frontends.http.choices import Choices, ManyChoices
 from frontends.http.errors import ApiError, from_engine, shutting_down
@@ -98,7 +98,7 @@ async def generate(request: web.Request, state: ServerState, jobs: list[Job],
     n = first.params.n
     render = ManyChoices(make, len(jobs) * n)
     ids = [render.id] if len(jobs) == 1 else [f"{render.id}-{i}" for i in range(len(jobs))]
-    with state.live.track(render.id):
+    with state.live.track(*ids):
         await _submit(state, jobs, ids)
         async with aclosing(_outputs(state, ids, n)) as outputs:
             if first.stream:
@@ -118,6 +118,9 @@ async def _submit(state: ServerState, jobs: list[Job], ids: list[str]) -> None:
         except (RequestError, QueueFullError, EngineDeadError) as e:
             await _abort(state, ids[:k])
             raise from_engine(e) from None
+        except RequestAbortedError:  # aborted while its grammar compiled: shutdown's abort
+            await _abort(state, ids[:k])
+            raise aborted(state) from None
 
 
 async def _abort(state: ServerState, ids: list[str]) -> None:
@@ -164,11 +167,13 @@ async def _outputs(state: ServerState, ids: list[str], n: int) -> AsyncIterator[
 
 def ended_early(state: ServerState, out: RequestOutput) -> ApiError:
     """A final output that is not a completion: the engine failed it, or shutdown aborted it."""
-    if state.live.closing:
-        return shutting_down()
-    if out.finish_reason == "abort":
-        return ApiError(503, "the request was aborted", code="aborted")
+    if state.live.closing or out.finish_reason == "abort":
+        return aborted(state)
     return ApiError(500, f"generation failed: {out.error}", code="engine_error")
+
+
+def aborted(state: ServerState) -> ApiError:
+    return shutting_down() if state.live.closing else ApiError(503, "the request was aborted", code="aborted")
 
 
 async def _collect(state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]], render: ManyChoices,

@@ -32,7 +32,7 @@ class SnapshotGauges(Collector):
 
     GAUGES = [
         ("vllm:num_requests_running", "Requests in the running batch."),
-        ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
+        ("vllm:num_requests_waiting", "Requests waiting to be scheduled (or for their grammar)."),
         ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."),
     ]
 
@@ -43,7 +43,9 @@ class SnapshotGauges(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self.engine.snapshot() if self.engine.ready else None
-        values = [len(snap.running), len(snap.waiting), snap.kv_usage] if snap else [0, 0, 0.0]
+        values = [0, 0, 0.0]
+        if snap is not None:  # those waiting for their grammar count as waiting, as max_waiting counts them
+            values = [len(snap.running), len(snap.waiting) + snap.num_waiting_for_grammar, snap.kv_usage]
         for (name, doc), value in zip(self.GAUGES, values, strict=True):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)

@@ -119,6 +119,33 @@ async def test_a_slow_schema_holds_one_compile_thread_not_every_schema(tiny_mode
                 pass
 
 
+async def test_an_abort_reaches_a_request_waiting_for_its_grammar(tiny_model, monkeypatch):
+    """Engine.abort went straight to the scheduler, which did not have the request yet: once
+    its grammar compiled the aborted request ran to the end. Now its submit is refused."""
+    from engine import RequestAbortedError, StructuredOutput
+
+    schema = StructuredOutput.from_schema({"type": "boolean"})
+    release = _slowed(monkeypatch, schema.json_schema)
+    async with asyncio.timeout(60):
+        async with Engine(tiny_config(), loaded=tiny_model) as engine:
+            params = SamplingParams(max_tokens=4, temperature=0.0, structured_output=schema)
+            submit = asyncio.create_task(engine.submit([3, 4], params, request_id="slow"))
+            while engine.snapshot().num_waiting_for_grammar != 1:  # counted as waiting meanwhile
+                await asyncio.sleep(0.02)
+            await engine.abort("slow")
+            try:
+                await submit
+                raise AssertionError("submit of an aborted request must not return its id")
+            except RequestAbortedError as e:
+                assert "'slow'" in str(e)
+            assert engine.snapshot().num_waiting_for_grammar == 0
+            release.set()
+            # the grammar (compiled for the next one) never lets the aborted request in
+            assert (await run_request(engine, [3, 4], params)).text in ("true", "false")
+            snap = engine.snapshot()
+            assert not snap.running and not snap.waiting and not engine._live and not engine.scheduler.requests
+
+
 SLOW_EXIT = """
 import asyncio, sys, threading, time
 from engine import Engine, SamplingParams, StructuredOutput

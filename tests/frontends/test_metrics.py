@@ -116,3 +116,25 @@ async def test_prompt_tokens_count_at_prefill_and_request_histograms(tiny_model)
     assert metric(text, "vllm:request_generation_tokens_sum") == 202
     for name in ("queue", "prefill", "decode"):
         assert metric(text, f"vllm:request_{name}_time_seconds_count") == 2
+
+
+async def test_requests_waiting_for_their_grammar_count_as_waiting(tiny_model, monkeypatch):
+    """max_waiting counts them; the gauge did not (it showed 0 while they waited)."""
+    import threading
+
+    from engine import StructuredOutput
+    from engine.structured.compiler import GrammarCache
+
+    release = threading.Event()
+    compile_for_real = GrammarCache._compile
+    monkeypatch.setattr(GrammarCache, "_compile", lambda self, spec: release.wait(30) and compile_for_real(self, spec))
+    schema = StructuredOutput.from_schema({"type": "boolean"}).json_schema
+    body = {"prompt": "yes or no", "max_tokens": 8, "structured_outputs": {"json": schema}}
+    async with asyncio.timeout(60), serving(tiny_model, tiny_config()) as (engine, client):
+        answer = asyncio.create_task(client.post("/v1/completions", json=body))
+        try:
+            await until(client, "vllm:num_requests_waiting", 1)
+        finally:
+            release.set()
+        assert (await answer).status == 200
+        await until(client, "vllm:num_requests_waiting", 0)
