@@ -6,7 +6,9 @@ MAX_PENDING_TOKENS tokens (a UTF-8 character has at most 4 bytes, so a longer ru
 bytes: it is released with its U+FFFD and decoding moves on, so each token costs a bounded
 decode); a partial character left when the request ends is released as U+FFFD; text that could be
 the start of a stop string is held until it is known not to be one, and a stop string found
-(even across token boundaries) is cut together with everything after it.
+(even across token boundaries) is cut together with everything after it (or kept, and only
+what follows it cut, with `include_stop`). As vLLM, a stop string must end in the text of a
+token after the first `min_tokens`: the first `min_tokens` tokens' text never stops a request.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ MAX_PENDING_TOKENS = 4  # tokens held for an incomplete character before it is g
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
-        self.min_tokens = min_tokens  # stop strings count only from this many tokens on (as vLLM)
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop  # a stop string found stays in the text
         self.num_pushed = 0
+        self.stop_from = 0  # a stop string must end past this offset: the first min_tokens tokens' text
         self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -46,21 +51,25 @@ class Detokenizer:
             return  # incomplete character (or nothing printable yet): wait for more tokens
         self.text += full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self._find_stop()
+        if self.num_pushed <= self.min_tokens:
+            self.stop_from = len(self.text)
+        else:
+            self._find_stop()
 
     def _find_stop(self) -> None:
-        if not self.stop or self.num_pushed < self.min_tokens:
+        if not self.stop:
             return
         longest = max(len(s) for s in self.stop)
         start = max(0, self.num_emitted - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, max(start, self.stop_from - len(s) + 1))) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            begin, end = min(hits)
+            self.text = self.text[: end if self.include_stop else begin]
             self.hit_stop = True
 
     def _held_back(self) -> int:
         """Length of the longest tail of unreleased text that starts some stop string."""
-        if self.hit_stop or not self.stop or self.num_pushed < self.min_tokens:
+        if self.hit_stop or not self.stop:
             return 0
         tail = self.text[self.num_emitted :]
         for n in range(min(len(tail), max(len(s) for s in self.stop) - 1), 0, -1):

@@ -46,7 +46,8 @@ class OutputProcessor:
             else:
                 itl.append(now - req.last_token_time)
             req.last_token_time = now
-            req.detokenizer.push(token)
+            if not req.ends_on(token) or req.params.include_stop_str_in_output:
+                req.detokenizer.push(token)  # a stop token's text is not output, as vLLM
             reason = req.stop_reason()
             if reason is None:
                 emit(req, [token], final=False)

@@ -26,6 +26,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
     ignore_eos: bool = False
     priority: int = 0
     n: int = 1  # choices sampled from the one prompt (prefilled once, its KV blocks shared)
@@ -252,16 +253,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def ends_on(self, token: int) -> bool:
+        """After appending `token`: is it one that ends the request (EOS, a stop token id)?"""
+        if len(self.output_token_ids) < self.params.min_tokens:
+            return False  # its stop ids were masked
+        return (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids
+
     def stop_reason(self) -> str | None:
         """After appending a token: why the request should stop, if it should."""
-        last = self.output_token_ids[-1]
         if len(self.output_token_ids) < self.params.min_tokens:
             return None  # its stop ids were masked; stop strings wait too (as vLLM)
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in self.params.stop_token_ids:
-            return "stop"
-        if self.detokenizer.hit_stop:
+        if self.ends_on(self.output_token_ids[-1]) or self.detokenizer.hit_stop:
             return "stop"
         if self.grammar is not None and self.grammar.is_terminated():
             return "stop"  # the output is complete (reached even with ignore_eos)

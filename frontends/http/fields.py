@@ -28,7 +28,8 @@ Endpoint = Literal["completions", "chat"]
 # Both endpoints: OpenAI's sampling fields, and vLLM's extra sampling parameters.
 _SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
              "presence_penalty", "frequency_penalty", "logit_bias",
-             "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority"}
+             "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
+             "include_stop_str_in_output"}
 
 # Structured output (engine/structured/): OpenAI's response_format, vLLM's guided_json / structured_outputs.
 _STRUCTURED = {"response_format", "guided_json", "structured_outputs"}
@@ -61,7 +62,6 @@ _COMMON_REFUSED: dict[str, Refused] = {
     "best_of": Refused("best_of is not supported", (1,)),
     "use_beam_search": Refused("beam search is not supported", (False,)),
     "length_penalty": Refused("length_penalty (beam search) is not supported", (1, 1.0)),
-    "include_stop_str_in_output": Refused("include_stop_str_in_output is not supported", (False,)),
     "skip_special_tokens": Refused("only skip_special_tokens=true is supported", (True,)),
     "spaces_between_special_tokens": Refused("only spaces_between_special_tokens=true is supported", (True,)),
     "truncate_prompt_tokens": Refused("truncate_prompt_tokens is not supported"),

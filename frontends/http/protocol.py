@@ -58,6 +58,7 @@ class SamplingFields(Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False  # null = absent for these too: __post_init__ sets the default back
+    include_stop_str_in_output: bool | None = False
     priority: int | None = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -101,6 +102,7 @@ class SamplingFields(Struct, kw_only=True):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             priority=self.priority,
             structured_output=structured_output,
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,

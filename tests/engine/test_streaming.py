@@ -24,9 +24,9 @@ def tok():
     return tiny_tokenizer()
 
 
-def stream(tok, text: str, stop: list[str], prompt: str = "") -> tuple[list[str], Detokenizer]:
+def stream(tok, text: str, stop: list[str], prompt: str = "", **kw) -> tuple[list[str], Detokenizer]:
     """Push `text` token by token (bytes), taking a delta after each; the last take is final."""
-    d = Detokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop)
+    d = Detokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop, **kw)
     ids = tok.encode(text, add_special_tokens=False)
     deltas = []
     for i, t in enumerate(ids):
@@ -127,6 +127,39 @@ async def test_tiny_engine_stop_string_from_its_own_output(tiny_model):
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
     assert stop not in cut.text
+
+
+@pytest.mark.parametrize("min_tokens,text", [(0, "ab"), (2, "ab"), (3, "ab\nc"), (5, "ab\nc\nd")])
+def test_the_first_min_tokens_tokens_never_end_in_a_stop_string(tok, min_tokens, text):
+    """As vLLM (its PR 22014): the 3rd token "\n" stopped a min_tokens=3 request, leaving
+    visible text of fewer than min_tokens tokens."""
+    deltas, d = stream(tok, "ab\nc\nd", ["\n"], min_tokens=min_tokens)
+    assert "".join(deltas) == text
+
+
+def test_a_stop_string_may_begin_within_min_tokens_and_end_after(tok):
+    deltas, d = stream(tok, "axyz", ["xy"], min_tokens=2)  # "x" is the 2nd token, "y" the 3rd
+    assert "".join(deltas) == "a" and d.hit_stop
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tok):
+    deltas, d = stream(tok, "你好世界再见", ["世界"], include_stop=True)
+    assert "".join(deltas) == "你好世界" and d.hit_stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_a_stop_token_ends_the_text_before_its_own(tiny_model, include):
+    """A stop_token_ids token's text was left in the output (vLLM leaves it out unless
+    include_stop_str_in_output); its id stays in token_ids."""
+    prompt = tiny_model.tokenizer.encode("Once upon a time", add_special_tokens=False)
+    async with asyncio.timeout(60):
+        async with Engine(tiny_config(policy="chunked"), loaded=tiny_model) as engine:
+            free = await run_request(engine, prompt, greedy(30))
+            ids = free.token_ids
+            k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tiny_model.tokenizer.decode(ids[i]).isalnum())
+            cut = await run_request(engine, prompt, greedy(30, stop_token_ids=[ids[k]], include_stop_str_in_output=include))
+    assert cut.finish_reason == "stop" and cut.token_ids == ids[: k + 1]
+    assert cut.text == tiny_model.tokenizer.decode(ids[: k + 1 if include else k])
 
 
 # --- end to end on the real model -----------------------------------------------------------
