@@ -12,8 +12,9 @@ from frontends.http.token_text import TokenText
 def completion_logprobs(entries: list[TokenLogprob], tokens: TokenText, offset: int) -> CompletionLogprobs:
     """`offset`: where the first token's text starts (streamed: after the texts of the tokens
     sent before, whether or not their text was released yet). top_logprobs holds the k most
-    likely and the chosen token (as OpenAI's legacy API: up to k + 1 entries); the prompt's
-    first token has none."""
+    likely and the chosen token (as OpenAI's legacy API: up to k + 1 entries), keyed by text:
+    tokens that render alike (partial UTF-8 bytes: U+FFFD) share a key; the prompt's first
+    token has none."""
     out = CompletionLogprobs([], [], [], [])
     for e in entries:
         text = tokens.text(e.token_id)
@@ -22,8 +23,10 @@ def completion_logprobs(entries: list[TokenLogprob], tokens: TokenText, offset: 
         if e.logprob is None:
             out.top_logprobs.append(None)
         else:
-            top = {tokens.text(t): lp for t, lp in e.top}
-            top.setdefault(text, e.logprob)
+            top: dict[str, float] = {}
+            for t, lp in e.top:  # most likely first: a text several tokens share keeps the likeliest's
+                top.setdefault(tokens.text(t), lp)
+            top[text] = e.logprob  # and the chosen token's text its own, as token_logprobs says
             out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)

@@ -169,3 +169,20 @@ async def test_model_name_defaults_to_the_loaded_model_and_its_path_is_accepted(
             assert resp.status == 200
         resp = await client.post("/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 1})
         assert resp.status == 404
+
+
+def test_top_logprobs_keyed_alike_keep_the_likeliest_and_the_chosen_its_own():
+    """Tokens rendering alike (partial UTF-8 bytes: U+FFFD) share a key: the least likely one's
+    value won, contradicting token_logprobs when the chosen token was among them."""
+    from engine.messages import TokenLogprob
+    from frontends.http.logprobs import completion_logprobs
+
+    class Texts:
+        def text(self, token_id: int) -> str:
+            return {1: "\ufffd", 2: "\ufffd", 3: "a", 4: "\ufffd"}[token_id]
+
+    top = [(1, -0.9), (3, -1.2), (2, -1.7), (4, -2.7)]
+    greedy = completion_logprobs([TokenLogprob(1, -0.9, top)], Texts(), 0)
+    assert greedy.top_logprobs == [{"\ufffd": -0.9, "a": -1.2}] and greedy.token_logprobs == [-0.9]
+    sampled = completion_logprobs([TokenLogprob(2, -1.7, top)], Texts(), 0)  # a less likely one, sampled
+    assert sampled.top_logprobs[0]["\ufffd"] == sampled.token_logprobs[0] == -1.7
