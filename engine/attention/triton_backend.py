@@ -8,6 +8,7 @@ fp32 accumulation) over two ranges of keys, in tiles of BLOCK_N:
   (so padding tokens, whose slots are -1 and never stored, still attend correctly).
 On a sliding-window layer both ranges start at the window's first position (p - window + 1);
 scores are scaled by the layer's scale and, when it asks, tanh soft-capped (Gemma 2).
+A head_dim that is not a power of two (Phi-3's 96) runs in the next power's tile, masked.
 Semantics match `TorchAttention` (see backend.py / metadata.py). Simple, not tuned.
 """
 
@@ -40,8 +41,8 @@ def _paged_attention_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,  # k_cache and v_cache share strides
     stride_ot, stride_oh, stride_od,
     stride_bt,
-    scale, block_size, group, window, softcap,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    scale, block_size, group, window, softcap, head_dim,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,  # D: head_dim rounded up to a power of two
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -52,8 +53,9 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_ptr + seq)
 
     d = tl.arange(0, D)  # [D]
+    in_head = d < head_dim  # [D]: the tile's lanes past head_dim load 0 and store nothing
     n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d * stride_qd).to(tl.float32) * scale  # [D]
+    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d * stride_qd, mask=in_head, other=0.0).to(tl.float32) * scale
 
     m_i = tl.full((), float("-inf"), tl.float32)  # running max
     l_i = tl.full((), 0.0, tl.float32)  # running sum of exp
@@ -67,8 +69,9 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + seq * stride_bt + kpos // block_size, mask=mask, other=0).to(tl.int64)
         base = block * stride_cb + (kpos % block_size) * stride_co + kvh * stride_ch  # [BLOCK_N]
         offs = base[:, None] + d[None, :] * stride_cd  # [BLOCK_N, D]
-        kt = tl.load(k_cache_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
-        vt = tl.load(v_cache_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+        tile = mask[:, None] & in_head[None, :]  # [BLOCK_N, D]
+        kt = tl.load(k_cache_ptr + offs, mask=tile, other=0.0).to(tl.float32)
+        vt = tl.load(v_cache_ptr + offs, mask=tile, other=0.0).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1)  # [BLOCK_N]
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
@@ -87,10 +90,11 @@ def _paged_attention_kernel(
         j = start + n  # [BLOCK_N]
         mask = j < num_fresh
         rows = (q_start + j).to(tl.int64)
+        tile = mask[:, None] & in_head[None, :]  # [BLOCK_N, D]
         kt = tl.load(k_ptr + rows[:, None] * stride_kt + kvh * stride_kh + d[None, :] * stride_kd,
-                     mask=mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
+                     mask=tile, other=0.0).to(tl.float32)  # [BLOCK_N, D]
         vt = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + d[None, :] * stride_vd,
-                     mask=mask[:, None], other=0.0).to(tl.float32)
+                     mask=tile, other=0.0).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1)  # [BLOCK_N]
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -104,7 +108,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     o = acc / l_i
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=in_head)
 
 
 class TritonAttention:
@@ -136,7 +140,6 @@ class TritonAttention:
         num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]
         layer = layer or LayerAttention.plain(head_dim)
         kv_heads = k.shape[1]  # k, v: [T, KVH, D]
-        assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
         assert num_heads % kv_heads == 0 and k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)  # [T, H, D]
         if num_tokens == 0:
@@ -147,7 +150,7 @@ class TritonAttention:
             plan.token_seq, plan.token_pos, meta.query_start_loc, meta.context_lens, block_tables,
             *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *out.stride(),
             block_tables.stride(0),
-            layer.scale, meta.block_size, num_heads // kv_heads, layer.window or 0, layer.softcap or 1.0,
-            D=head_dim, BLOCK_N=self.block_n, SOFTCAP=layer.softcap is not None,
+            layer.scale, meta.block_size, num_heads // kv_heads, layer.window or 0, layer.softcap or 1.0, head_dim,
+            D=triton.next_power_of_2(head_dim), BLOCK_N=self.block_n, SOFTCAP=layer.softcap is not None,
         )
         return out

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
+from engine.attention.backend import LayerAttention  # noqa: E402
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttention
 from tests.attention.batches import make_batch  # noqa: E402
@@ -112,3 +113,18 @@ def test_empty_batch():
     kv = torch.empty(0, KVH, D)
     cache = torch.zeros(NUM_BLOCKS, BS, KVH, D)
     assert be.forward(q, kv, kv, cache, cache.clone(), meta, be.prepare(meta)).shape == (0, H, D)
+
+
+@pytest.mark.parametrize("head_dim", [24, 48, 96])
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, 5.0)])
+def test_head_dim_not_a_power_of_two(head_dim, window, softcap):
+    """Phi-3-mini's 96, a supported family: the kernel asserted a power of two at the first
+    request, so every request failed. Its tile is now the next power, the lanes past head_dim masked."""
+    meta, q, k, v, k_cache, v_cache = make_batch(MIXED, heads=(H, KVH), d=head_dim, bs=BS, num_blocks=NUM_BLOCKS)
+    layer = LayerAttention(scale=head_dim**-0.5, window=window, softcap=softcap)
+    caches = {}
+    for backend in (TorchAttention(), TritonAttention()):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        caches[backend.name] = (backend.forward(q, k, v, kc, vc, meta, backend.prepare(meta), layer), kc, vc)
+    for ref, out in zip(caches["torch"], caches["triton"]):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
