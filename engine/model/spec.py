@@ -10,7 +10,7 @@ one, derived from the config, so the forward (engine/model/llama.py) stays one c
 | Qwen2 / Qwen2.5 | bias on q/k/v (taken from the weights, as any projection's bias) |
 | Qwen3 | per-head RMSNorm on q and k before RoPE; explicit `head_dim` |
 | Gemma 2 | (1 + w) RMSNorm, √hidden embedding scale, norms around attention and MLP, GeGLU (tanh), `query_pre_attn_scalar`, attention and final logit soft-caps, alternating sliding/global layers |
-| Gemma 3 | as Gemma 2 with q/k norm and a RoPE base per layer type (local / global) |
+| Gemma 3 | as Gemma 2 with q/k norm and a RoPE base per layer type (local / global), no attention soft-cap |
 | Phi-3 | fused `qkv_proj` / `gate_up_proj` (taken as they are), partial rotary |
 
 Anything else a config asks for that the forward does not implement is refused with a
@@ -97,6 +97,10 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
     _check_rope(config)
     scale = config.query_pre_attn_scalar**-0.5 if gemma else head_dim**-0.5
     softcap = getattr(config, "attn_logit_softcapping", None) if gemma else None
+    if softcap is not None and architecture == "Gemma3ForCausalLM":
+        # Gemma 3 has q/k norms instead; its transformers attention keeps the field but never applies it
+        raise ValueError(f"unsupported attn_logit_softcapping {softcap} on Gemma 3: transformers' Gemma 3 "
+                         "attention does not apply it (Gemma 2's does); set it to null")
     windows, keys = _layer_windows(config, architecture)
     return ModelSpec(
         architecture=architecture,

@@ -190,6 +190,9 @@ REFUSED = {
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}), "rope_type.*'dynamic'"),
     "gemma3-bidirectional": (Gemma3TextConfig(**{**COMMON, "use_bidirectional_attention": True}),
                              "use_bidirectional_attention"),
+    # transformers' Gemma 3 attention never applies it (Gemma 2's does): the engine capped (session 21 audit)
+    "gemma3-attention-softcap": (Gemma3TextConfig(**{**COMMON, "attn_logit_softcapping": 3.0}),
+                                 "attn_logit_softcapping 3.0 on Gemma 3"),
     "qwen2-unknown-layer-type": (Qwen2Config(**{**COMMON, "layer_types": ["full_attention", "chunked_attention"]}),
                                  "layer_types"),
     "llama-gelu": (LlamaConfig(**{**COMMON, "hidden_act": "relu"}), "hidden_act 'relu'"),
