@@ -65,6 +65,7 @@ class Engine:
         self._live: dict[str, OutputBuffer] = {}
         self.ready = False
         self._started = False  # start() was called (and did not fail): an engine starts once
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its actors run on
         self.dead: str | None = None
         self.tokenizer = None
         self.model_name = self.config.served_model_name
@@ -76,6 +77,7 @@ class Engine:
             raise RuntimeError("this engine was already started" + (" and has stopped; create a new Engine "
                                "(a loaded model can be passed on with Engine(config, loaded=...))" if self.dead else ""))
         self._started = True
+        self._loop = asyncio.get_running_loop()
         # All torch work of this engine, from loading to every step, on one thread (engine/torch_thread.py)
         thread = torch_thread()
         try:
@@ -165,6 +167,13 @@ class Engine:
     async def stop(self) -> None:
         if not self._tasks:
             return
+        if self._loop is not asyncio.get_running_loop() and self._loop.is_closed():
+            # its loop (an earlier asyncio.run) ended and cancelled the actors: nothing to wait for
+            self.ready, self.dead = False, self.dead or "engine stopped"
+            self._tasks.clear()
+            self._live.clear()
+            return
+        self._require_loop()
         self.ready = False
         self.dead = self.dead or "engine stopped"
         self.scheduler.inbox.put_nowait(Shutdown("engine stopped"))
@@ -200,6 +209,7 @@ class Engine:
         """Validate and enqueue a request; return its id. Raises RequestError,
         ContextLengthError, QueueFullError or EngineDeadError, and RequestAbortedError when
         `abort(request_id)` came while intake still held it (waiting for its grammar)."""
+        self._require_loop()
         if self.dead or not self.ready:
             raise EngineDeadError(self.dead or "engine is not started")
         if (prompt is None) == (messages is None):
@@ -255,6 +265,7 @@ class Engine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The outputs of a submitted request, until its final one. Leaving early aborts it."""
+        self._require_loop()
         outputs = self._live.get(request_id)
         if outputs is None:
             if self.dead:
@@ -280,6 +291,7 @@ class Engine:
         """End a request; its stream (if one is read) gets a final output with "abort". A
         request still waiting for its grammar is refused instead: its submit raises
         RequestAbortedError."""
+        self._require_loop()
         outputs = self._live.get(request_id)
         if outputs is not None:
             outputs.abandon()  # forgotten once it ends, even if nobody reads its final output
@@ -310,6 +322,13 @@ class Engine:
             self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate,
             num_waiting_for_grammar=self.intake.num_compiling,
         )
+
+    def _require_loop(self) -> None:
+        """An engine's actors, queues and futures belong to the loop it was started on."""
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            raise RuntimeError("this Engine was started on another event loop (an earlier asyncio.run?); it can "
+                               "only be used from that one: create and start a new Engine on this loop "
+                               "(Engine(config, loaded=...) reuses a loaded model)")
 
     def _require_built(self) -> None:
         if not hasattr(self, "scheduler"):  # the actors exist once start() has built them

@@ -106,6 +106,21 @@ async def test_an_engine_starts_once():
         await anext(engine.stream("req-never"))
 
 
+def test_an_engine_is_used_from_the_loop_it_was_started_on():
+    """Used from a later asyncio.run, it said an actor "was cancelled", and stop() raised
+    "Event loop is closed"."""
+    engine = Engine(tiny_config(num_threads=1, calibrate_step_cost=False))
+    asyncio.run(engine.start())  # this loop ends: its actors are cancelled with it
+
+    async def later() -> None:
+        for call in (engine.submit([3, 4], greedy(2)), engine.abort("req-x"), anext(engine.stream("req-x"))):
+            with pytest.raises(RuntimeError, match="started on another event loop"):
+                await call
+        await engine.stop()  # nothing left to stop: no error
+
+    asyncio.run(later())
+
+
 async def test_a_failed_start_may_be_tried_again(monkeypatch):
     def failing(*args):
         raise OSError("disk unplugged")
