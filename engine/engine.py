@@ -300,6 +300,11 @@ class Engine:
 
     # --- observation --------------------------------------------------------------------
 
+    @property
+    def queue_capacity(self) -> int:
+        """Requests that may wait at once ([scheduler] max_waiting)."""
+        return self.config.scheduler.max_waiting
+
     def _broadcast(self, record: StepRecord) -> None:
         self._subscribers.publish(record)  # a slow subscriber loses its oldest record, never blocks the engine
 

@@ -1,7 +1,7 @@
 """ClusterEngine: the engine API the aiohttp frontend calls, answered by engine replicas.
 
 It has what the frontend uses of `Engine` — `submit` / `stream` / `generate` / `abort`,
-`ready` / `dead`, `config`, `tokenizer`, `max_model_len`, `steps` — so the OpenAI routes,
+`ready` / `dead`, `config`, `tokenizer`, `max_model_len`, `queue_capacity`, `steps` — so the OpenAI routes,
 their SSE bytes, errors and the shutdown drain are the single-process server's own code.
 
 `submit` tokenizes the prompt (once), hashes its full KV blocks with the block manager's
@@ -65,6 +65,11 @@ class ClusterEngine:
         self._stopped = asyncio.Event()
         self._health: asyncio.Task | None = None
         self._health_changed = asyncio.Event()  # set (and replaced) when a replica comes back
+
+    @property
+    def queue_capacity(self) -> int:
+        """Requests that may wait at once: every replica's max_waiting."""
+        return self.config.scheduler.max_waiting * len(self.handles)
 
     @property
     def ready(self) -> bool:

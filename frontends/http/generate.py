@@ -95,6 +95,10 @@ async def generate(request: web.Request, state: ServerState, jobs: list[Job],
         first.params.validate()  # here too, as its n sizes the response (the engine validates on submit)
     except RequestError as e:
         raise from_engine(e) from None
+    capacity = state.engine.queue_capacity
+    if len(jobs) > capacity:  # could never be in the queue at once: a 503 "retry later" would never pass
+        raise ApiError(400, f"a batch of {len(jobs)} prompts is more than the waiting queue holds ({capacity}: "
+                       f"[scheduler] max_waiting); send at most {capacity} per request", param="prompt")
     n = first.params.n
     render = ManyChoices(make, len(jobs) * n)
     ids = [render.id] if len(jobs) == 1 else [f"{render.id}-{i}" for i in range(len(jobs))]

@@ -163,6 +163,16 @@ async def test_queue_full_is_503_with_retry_after(tiny_model):
             await asyncio.sleep(0.01)
 
 
+async def test_a_batch_longer_than_the_queue_is_400_not_retry_later(tiny_model):
+    """It was a 503 queue_full with Retry-After, though no retry could ever pass."""
+    async with serving(tiny_model, tiny_config(max_waiting=2)) as (engine, client):
+        resp = await client.post(COMPLETIONS, json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert resp.status == 400
+        assert_openai_error(await resp.json(), "prompt", "a batch of 3 prompts is more than the waiting queue")
+        resp = await client.post(COMPLETIONS, json={"prompt": ["a", "b"], "max_tokens": 1})
+        assert resp.status == 200 and len((await resp.json())["choices"]) == 2
+
+
 async def test_engine_dead_is_503(tiny_model):
     def always_fail(plan):
         raise RuntimeError("device lost")
