@@ -141,6 +141,7 @@ class ClusterConfig:
     balance_abs_threshold: int = 8  # prefix router: leave the prefix's replica when its load exceeds
     balance_rel_threshold: float = 1.5  # the least-loaded one's by more than abs AND more than rel times
     max_prefix_entries: int = 65536  # prefix router: block hashes remembered (LRU)
+    prefix_min_share: float = 0.5  # prefix router: follow a known prefix only if it is this share of the prompt
     health_check_ms: int = 1000  # how often the ingress probes each replica
 
     def validate(self) -> None:
@@ -152,6 +153,7 @@ class ClusterConfig:
         _require(self.balance_abs_threshold >= 0, "balance_abs_threshold", "must be >= 0")
         _require(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", "must be >= 1.0")
         _require(self.max_prefix_entries >= 1, "max_prefix_entries", "must be >= 1")
+        _require(0.0 <= self.prefix_min_share <= 1.0, "prefix_min_share", "must be in [0, 1]")
         _require(self.health_check_ms >= 10, "health_check_ms", "must be >= 10")
         if self.replicas == 0:  # one engine in this process: a cluster setting would be silently unused
             for f in fields(self):

@@ -7,10 +7,12 @@ their SSE bytes, errors and the shutdown drain are the single-process server's o
 `submit` tokenizes the prompt (once), hashes its full KV blocks with the block manager's
 chain, asks the `Router` for a replica, and opens the replica's `generate` stream; the
 replica's first item says whether its engine accepted the request (a refusal raises the
-same engine error here). A replica that cannot be reached is marked down and the next one
-is tried. `stream` relays the replica's outputs; if the replica dies mid-stream the stream
-ends with a final output `finish_reason="error"` (the frontend turns it into an SSE error
-event and [DONE]). A health task probes every replica and marks it up when it answers.
+same engine error here). A replica that cannot be reached — the call fails, or the health
+task marks it down (dead, or hung) before it answers — is given up and the next one is
+tried. `stream` relays the replica's outputs; if the replica dies mid-stream, or cannot be
+told to abort within ABORT_TIMEOUT_S (hung: shutdown must not wait for it), the stream ends
+with a final output `finish_reason="error"` (the frontend turns it into an SSE error event
+and [DONE]). A health task probes every replica and marks it up when it answers.
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ from dataclasses import dataclass
 
 from engine import EngineConfig, RequestOutput, SamplingParams, StepRecord
 from engine.block_hash import prefix_block_hashes
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestError
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from frontends.cluster.prompt import prompt_ids
 from frontends.cluster.replica import ACCEPTED, Refusal
 from frontends.cluster.router import Router
 
-ERRORS = {cls.__name__: cls for cls in (RequestError, ContextLengthError, QueueFullError, EngineDeadError)}
+ERRORS = {cls.__name__: cls for cls in (RequestError, ContextLengthError, QueueFullError, EngineDeadError,
+                                        RequestAbortedError)}
 MAX_REMEMBERED = 4096  # request id -> replica, for the response header (written after the stream ends)
+ABORT_TIMEOUT_S = 2.0  # a replica that does not take an abort this soon: its stream is ended here
+
+
+class ReplicaGone(Exception):
+    """The replica was marked down, or did not take an abort, while a call to it was pending."""
 
 
 @dataclass
@@ -39,6 +47,7 @@ class _Remote:
     replica: str
     outputs: object  # ray.serve.handle.DeploymentResponseGenerator
     num_choices: int  # n: the stream ends with the last choice's final output
+    cut: asyncio.Future  # resolved when the replica could not be told to abort: stop waiting for it
     read: bool = False  # stream() has taken it: its end releases the router slot
 
 
@@ -58,13 +67,15 @@ class ClusterEngine:
         self.model_name = config.served_model_name
         self.router = Router(list(handles), cluster.router, abs_threshold=cluster.balance_abs_threshold,
                              rel_threshold=cluster.balance_rel_threshold,
-                             max_prefix_entries=cluster.max_prefix_entries)
+                             max_prefix_entries=cluster.max_prefix_entries, min_share=cluster.prefix_min_share)
         self.dead: str | None = None
         self._remotes: dict[str, _Remote] = {}
         self._served_by: OrderedDict[str, str] = OrderedDict()
         self._stopped = asyncio.Event()
         self._health: asyncio.Task | None = None
         self._health_changed = asyncio.Event()  # set (and replaced) when a replica comes back
+        self._down: dict[str, asyncio.Future] = {}  # replica -> resolved when it is marked down
+        self._aborts: set[asyncio.Task] = set()
 
     @property
     def queue_capacity(self) -> int:
@@ -99,17 +110,18 @@ class ClusterEngine:
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
         for _ in range(len(self.handles)):
-            name = self.router.route(hashes)
+            name = self.router.route(hashes, len(ids) / self.config.cache.block_size)
             if name is None:
                 break
             outputs = self._streaming[name].generate.remote(ids, params, request_id)
             try:
-                verdict = await outputs.__anext__()
+                verdict = await _unless(outputs.__anext__(), self._went_down(name))
             except asyncio.CancelledError:
                 outputs.cancel()
                 self.router.release(name)
                 raise
-            except Exception as e:  # the replica is unreachable or died: try another one
+            except Exception as e:  # the replica is unreachable, died or hangs: try another one
+                outputs.cancel()
                 self.router.release(name)
                 self._mark_down(name, e)
                 continue
@@ -117,7 +129,7 @@ class ClusterEngine:
                 outputs.cancel()
                 self.router.release(name)
                 raise _refusal_error(verdict)
-            self._remotes[request_id] = _Remote(name, outputs, params.n)
+            self._remotes[request_id] = _Remote(name, outputs, params.n, asyncio.get_running_loop().create_future())
             self._remember(request_id, name)
             return request_id
         raise EngineDeadError("no engine replica is available")
@@ -128,7 +140,11 @@ class ClusterEngine:
         finished, ended = False, set()
         try:
             try:
-                async for out in remote.outputs:
+                while True:
+                    try:
+                        out = await _unless(remote.outputs.__anext__(), remote.cut)
+                    except StopAsyncIteration:
+                        break
                     if out.finished:
                         ended.add(out.index)
                     finished = len(ended) >= remote.num_choices
@@ -136,7 +152,8 @@ class ClusterEngine:
                     if finished:
                         return
                 error = "the replica ended the stream without a final output"
-            except Exception as e:  # the replica died (or Ray lost it) mid-stream
+            except Exception as e:  # the replica died (or Ray lost it, or it hangs) mid-stream
+                remote.outputs.cancel()
                 self._mark_down(remote.replica, e)
                 error = f"engine replica {remote.replica} failed: {type(e).__name__}"
             finished = True
@@ -166,8 +183,18 @@ class ClusterEngine:
             del self._remotes[request_id]
             self.router.release(remote.replica)
             remote.outputs.cancel()
-        with contextlib.suppress(Exception):
-            await self.handles[remote.replica].abort.remote(request_id)
+        task = asyncio.create_task(self._abort_on_replica(remote, request_id))  # never waits for a hung one
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort_on_replica(self, remote: _Remote, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self.handles[remote.replica].abort.remote(request_id), ABORT_TIMEOUT_S)
+        except Exception as e:  # down or hung: its stream would wait for it (a shutdown for minutes)
+            if not remote.cut.done():
+                remote.cut.set_exception(ReplicaGone(f"engine replica {remote.replica} did not take the abort: "
+                                                     f"{type(e).__name__}"))
+                remote.cut.exception()  # retrieved: a stream that already ended never reads it
 
     def replica_of(self, request_id: str) -> str | None:
         """The replica that served `request_id` (for the x-stepwise-replica header)."""
@@ -190,6 +217,16 @@ class ClusterEngine:
         if name in self.router.healthy:
             print(f"[stepwise] {name} unreachable ({why!r}); routing around it", file=sys.stderr)
         self.router.mark_down(name)
+        down = self._went_down(name)
+        if not down.done():
+            down.set_exception(ReplicaGone(f"engine replica {name} is down: {why!r}"))
+            down.exception()  # retrieved: nobody may be waiting
+
+    def _went_down(self, name: str) -> asyncio.Future:
+        """Resolved (with ReplicaGone) once `name` is marked down; a fresh one after it comes back."""
+        if name not in self._down or (self._down[name].done() and name in self.router.healthy):
+            self._down[name] = asyncio.get_running_loop().create_future()
+        return self._down[name]
 
     async def _check_health(self) -> None:
         period = self.config.cluster.health_check_ms / 1000
@@ -216,3 +253,17 @@ class ClusterEngine:
         """Until the router sends `name` requests again."""
         while name not in self.router.healthy:
             await self._health_changed.wait()
+
+
+async def _unless(call, gone: asyncio.Future):
+    """Await `call`, unless `gone` resolves first (its ReplicaGone is raised, `call` cancelled)."""
+    item = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait([item, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not item.done():  # gone first, or we were cancelled: nobody will read it
+            item.cancel()
+            item.add_done_callback(lambda t: t.cancelled() or t.exception())  # may end in Ray's own error
+    if item.done() and not item.cancelled():
+        return item.result()
+    return gone.result()  # raises ReplicaGone

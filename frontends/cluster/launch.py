@@ -20,6 +20,9 @@ from engine import EngineConfig
 from frontends.cluster.replica import EngineReplica
 
 
+CONTROL_CALLS = 64  # calls a replica takes beside its generations: never queued behind them
+
+
 def replica_names(n: int) -> list[str]:
     return [f"replica-{i}" for i in range(n)]
 
@@ -69,8 +72,10 @@ class Replicas:
         scheduler = config.scheduler
         deployment = serve.deployment(EngineReplica).options(
             num_replicas=1,
-            # Ray's default (5) would starve batching: admit what the engine itself admits.
-            max_ongoing_requests=scheduler.max_num_seqs + scheduler.max_waiting,
+            # Ray's default (5) would starve batching: admit what the engine itself admits, so that
+            # the engine refuses the rest at once (503 queue_full) rather than Ray queueing them
+            # unseen, and room beside them for health checks, metrics, state, aborts and step streams.
+            max_ongoing_requests=scheduler.max_num_seqs + scheduler.max_waiting + CONTROL_CALLS,
             max_queued_requests=-1,
             ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
         )

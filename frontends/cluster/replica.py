@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from engine import Engine, EngineConfig, RequestOutput, SamplingParams, StepRecord
-from engine.errors import EngineDeadError, QueueFullError, RequestError
+from engine.errors import EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from frontends.http.feed import StepFeed
 from frontends.http.metrics import Metrics
 from frontends.http.observe import state_of
@@ -49,7 +49,7 @@ class EngineReplica:
                        request_id: str) -> AsyncIterator[str | Refusal | RequestOutput]:
         try:
             await self.engine.submit(prompt_ids, params, request_id=request_id)
-        except (RequestError, QueueFullError, EngineDeadError) as e:
+        except (RequestError, QueueFullError, EngineDeadError, RequestAbortedError) as e:
             yield Refusal(type(e).__name__, str(e), getattr(e, "param", None))
             return
         yield ACCEPTED

@@ -8,7 +8,9 @@ Policies (`[cluster] router`):
 - "prefix": a prompt is known by the hash chain of its full KV blocks — the same BLAKE2b chain
   the block manager keys its prefix cache with (`engine.block_hash`) — and goes to the replica
   that was last sent its longest known prefix, where those blocks most likely still sit in
-  the prefix cache. With no known prefix, or when that replica is overloaded (its in-flight
+  the prefix cache, if that prefix is at least `min_share` of the prompt (a chat template's
+  opening block, which every conversation shares, would otherwise send every chat to one
+  replica; SGLang's cache threshold). With no such prefix, or when that replica is overloaded (its in-flight
   requests exceed the least-loaded replica's by more than `abs_threshold` AND by more than
   `rel_threshold` times, SGLang's rule), it goes to the least-loaded replica.
 - "least-loaded": fewest in-flight requests.
@@ -28,7 +30,7 @@ from engine.config import ROUTERS
 
 class Router:
     def __init__(self, names: Sequence[str], policy: str = "prefix", *, abs_threshold: int = 8,
-                 rel_threshold: float = 1.5, max_prefix_entries: int = 65536):
+                 rel_threshold: float = 1.5, max_prefix_entries: int = 65536, min_share: float = 0.5):
         if policy not in ROUTERS:
             raise ValueError(f"router {policy!r}: must be one of {ROUTERS}")
         if not names or len(set(names)) != len(names):
@@ -38,6 +40,7 @@ class Router:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.max_prefix_entries = max_prefix_entries
+        self.min_share = min_share
         self.load = dict.fromkeys(self.names, 0)  # in-flight requests routed to each replica
         self.healthy = set(self.names)
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica, least recent first
@@ -52,8 +55,9 @@ class Router:
 
     # --- routing ----------------------------------------------------------------------------
 
-    def choose(self, hashes: Sequence[bytes]) -> str | None:
-        """The replica for a prompt with this block-hash chain; None when no replica is healthy."""
+    def choose(self, hashes: Sequence[bytes], prompt_blocks: float | None = None) -> str | None:
+        """The replica for a prompt with this block-hash chain (of its full blocks; `prompt_blocks`:
+        its length in blocks, partial one included, default len(hashes)); None when none is healthy."""
         live = [self.names[(self._turn + i) % len(self.names)] for i in range(len(self.names))]
         live = [n for n in live if n in self.healthy]
         if not live:
@@ -63,18 +67,19 @@ class Router:
             return live[0]
         if self.policy == "least-loaded":
             return least
-        match = next((self._owner[h] for h in reversed(hashes) if h in self._owner), None)
-        if match is None or self._overloaded(match, least):
+        known = next((i for i in range(len(hashes) - 1, -1, -1) if hashes[i] in self._owner), None)
+        if known is None or known + 1 < self.min_share * (prompt_blocks or len(hashes)):
             return least
-        return match
+        match = self._owner[hashes[known]]
+        return least if self._overloaded(match, least) else match
 
     def _overloaded(self, name: str, least: str) -> bool:
         mine, lowest = self.load[name], self.load[least]
         return mine - lowest > self.abs_threshold and mine > self.rel_threshold * lowest
 
-    def route(self, hashes: Sequence[bytes]) -> str | None:
+    def route(self, hashes: Sequence[bytes], prompt_blocks: float | None = None) -> str | None:
         """Choose, count the request in flight there, and remember its prefix there."""
-        name = self.choose(hashes)
+        name = self.choose(hashes, prompt_blocks)
         if name is None:
             return None
         self._turn = (self.names.index(name) + 1) % len(self.names)  # next time, start after it

@@ -143,6 +143,18 @@ async def test_shared_prefix_sticks_to_one_replica_and_distinct_prompts_spread(r
         assert set(distinct) == set(NAMES)
 
 
+async def test_a_shared_opening_block_alone_does_not_pin_prompts_to_one_replica(replicas):
+    """Every chat shares its template's opening block: followed, it sent all of them to one replica."""
+    async with ingress(replicas) as (_, client):
+        served = []
+        for i in range(4):  # one 16-token block in common, 2.3 blocks each
+            resp = await client.post("/v1/completions", json={"prompt": "A" * 16 + f"{i:04d} is question number!",
+                                                              "max_tokens": 2})
+            assert resp.status == 200
+            served.append(resp.headers[REPLICA_HEADER])
+        assert set(served) == set(NAMES), served
+
+
 async def test_api_key_is_enforced_on_the_ingress(replicas):
     async with ingress(replicas, CONFIG.with_overrides(api_key="sk-cluster")) as (_, client):
         body = {"prompt": "Hello", "max_tokens": 2}
@@ -210,6 +222,32 @@ async def test_replica_killed_mid_stream_ends_its_stream_and_comes_back(replicas
             assert again.status == 200
             served.add(again.headers[REPLICA_HEADER])
         assert victim in served
+
+
+async def test_a_hung_replica_is_routed_around_and_its_streams_end_when_aborted(replicas):
+    """A request routed to a replica that hangs waited for it (minutes: until Ray's health check
+    killed it); an abort of a stream on it waited as long, holding a shutdown."""
+    async with ingress(replicas) as (engine, client):
+        story = {"prompt": SYSTEM + "Tell a long story", "max_tokens": 1500, "ignore_eos": True}
+        resp = await client.post("/v1/completions", json={**story, "stream": True})
+        victim = resp.headers[REPLICA_HEADER]
+        await resp.content.readuntil(b"\n\n")
+        pid = (await replicas.handles[victim].describe.remote())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()  # the same prompt follows its prefix to the victim, then fails over
+            moved = await client.post("/v1/completions", json={**story, "max_tokens": 2})
+            assert moved.status == 200 and moved.headers[REPLICA_HEADER] != victim
+            assert loop.time() - start < 30  # the probe's 5 s timeout, on a loaded machine
+            start = loop.time()
+            await engine.abort(resp.headers["X-Request-Id"])
+            events = sse_events(await asyncio.wait_for(resp.read(), 30))
+            assert events[-1] == "[DONE]" and victim in events[-2]["error"]["message"], events[-2:]
+            assert loop.time() - start < 15
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.wait_for(engine.wait_healthy(victim), 120)
 
 
 def test_replica_config_fixes_the_thread_count():

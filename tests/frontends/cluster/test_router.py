@@ -34,6 +34,18 @@ def test_shared_prefix_sticks_and_distinct_prompts_spread():
     router.check_invariants()
 
 
+def test_a_prefix_too_small_a_share_of_the_prompt_is_not_followed():
+    """Every chat shares its template's opening block: followed, it sent every conversation to one replica."""
+    router = Router(["a", "b"], min_share=0.5)
+    template = SYSTEM[:4]  # one block of block_size 4
+    assert [router.route(chain(*template, 60 + i, 1, 2, 3, 4, 5), prompt_blocks=2.5) for i in range(4)] == [
+        "a", "b", "a", "b"]  # the shared block is 1 of 2.5 blocks: spread
+    router = Router(["a", "b"], min_share=0.5)
+    followed = [router.route(chain(*SYSTEM, 60 + i), prompt_blocks=4.25) for i in range(3)]
+    assert followed == ["a"] * 3  # 4 of 4.25 blocks: followed
+    assert Router(["a", "b"], min_share=0.0).choose(chain(*template), prompt_blocks=100) == "a"
+
+
 def test_short_prompt_has_no_blocks_and_goes_least_loaded():
     router = Router(NAMES)
     router.load.update(r0=3, r1=1, r2=2)
@@ -103,15 +115,15 @@ def test_prefix_table_is_bounded_lru():
 class Reference:
     """The same policy written plainly: an ordered list of (hash, owner), newest last."""
 
-    def __init__(self, names, policy, abs_threshold, rel_threshold, max_entries):
-        self.names, self.policy = names, policy
+    def __init__(self, names, policy, abs_threshold, rel_threshold, max_entries, min_share):
+        self.names, self.policy, self.min_share = names, policy, min_share
         self.abs, self.rel, self.max = abs_threshold, rel_threshold, max_entries
         self.load = {n: 0 for n in names}
         self.healthy = set(names)
         self.entries: list[tuple[bytes, str]] = []
         self.turn = 0
 
-    def choose(self, hashes):
+    def choose(self, hashes, prompt_blocks):
         order = [self.names[(self.turn + i) % len(self.names)] for i in range(len(self.names))]
         live = [n for n in order if n in self.healthy]
         if not live:
@@ -123,16 +135,16 @@ class Reference:
         if self.policy == "least-loaded":
             return least
         owners = dict(self.entries)
-        known = [owners[h] for h in hashes if h in owners]
-        if not known:
+        known = [(i, owners[h]) for i, h in enumerate(hashes) if h in owners]
+        if not known or known[-1][0] + 1 < self.min_share * prompt_blocks:
             return least
-        match = known[-1]
+        match = known[-1][1]
         if self.load[match] - lowest > self.abs and self.load[match] > self.rel * lowest:
             return least
         return match
 
-    def route(self, hashes):
-        name = self.choose(hashes)
+    def route(self, hashes, prompt_blocks):
+        name = self.choose(hashes, prompt_blocks)
         if name is None:
             return None
         self.turn = (self.names.index(name) + 1) % len(self.names)
@@ -156,22 +168,22 @@ PROMPTS = st.builds(lambda head, tail: [*head, *tail], st.sampled_from([(), (1, 
 class RouterMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["prefix", "prefix", "round-robin", "least-loaded"]),
                 abs_threshold=st.integers(0, 3), rel_threshold=st.sampled_from([1.0, 1.5, 3.0]),
-                max_entries=st.integers(1, 8))
-    def init(self, policy, abs_threshold, rel_threshold, max_entries):
-        args = (NAMES, policy, abs_threshold, rel_threshold, max_entries)
+                max_entries=st.integers(1, 8), min_share=st.sampled_from([0.0, 0.5, 0.9]))
+    def init(self, policy, abs_threshold, rel_threshold, max_entries, min_share):
+        args = (NAMES, policy, abs_threshold, rel_threshold, max_entries, min_share)
         self.router = Router(NAMES, policy, abs_threshold=abs_threshold, rel_threshold=rel_threshold,
-                             max_prefix_entries=max_entries)
+                             max_prefix_entries=max_entries, min_share=min_share)
         self.ref = Reference(*args)
 
     @rule(tokens=PROMPTS)
     def route(self, tokens):
         hashes = chain(*tokens, block_size=2)
-        assert self.router.route(hashes) == self.ref.route(hashes)
+        assert self.router.route(hashes, len(tokens) / 2) == self.ref.route(hashes, len(tokens) / 2)
 
     @rule(tokens=PROMPTS)
     def route_again(self, tokens):  # twice as many routes as releases: loads grow apart
         hashes = chain(*tokens, block_size=2)
-        assert self.router.route(hashes) == self.ref.route(hashes)
+        assert self.router.route(hashes, len(tokens) / 2) == self.ref.route(hashes, len(tokens) / 2)
 
     @rule(name=st.sampled_from(NAMES))
     def release(self, name):
