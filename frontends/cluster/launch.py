@@ -9,6 +9,8 @@ that dies. Serve's own HTTP proxy is disabled: the ingress is our aiohttp app.
 from __future__ import annotations
 
 import math
+import socket
+import sys
 from dataclasses import dataclass
 
 import ray
@@ -49,6 +51,7 @@ class Replicas:
         if ray.is_initialized():
             return False
         if cluster.ray_address:
+            _check_reachable(cluster.ray_address)  # ray.init retries an address where nothing answers for ever
             try:
                 ray.init(address=cluster.ray_address)
             except ConnectionError as e:
@@ -68,6 +71,7 @@ class Replicas:
     def start(cls, config: EngineConfig, started_ray: bool) -> Replicas:
         """Deploy the replicas and wait until each has loaded its engine (blocking)."""
         cluster = config.cluster
+        _check_resources(config, started_ray)
         serve.start(proxy_location="Disabled")
         scheduler = config.scheduler
         deployment = serve.deployment(EngineReplica).options(
@@ -83,7 +87,10 @@ class Replicas:
         names = replica_names(cluster.replicas)
         targets = [RunTarget(deployment.options(name=name).bind(engine_config, name), name=name, route_prefix=None)
                    for name in names]
-        handles = dict(zip(names, serve.run_many(targets), strict=True))
+        try:
+            handles = dict(zip(names, serve.run_many(targets), strict=True))
+        except RuntimeError as e:  # "Deploying application replica-0 failed": the reason is in Serve's status
+            raise RuntimeError(f"{e} {_deployment_errors(names)}".strip()) from None  # the engine's own error
         first = handles[names[0]].describe.remote().result()
         return cls(handles, first["max_model_len"], started_ray)
 
@@ -94,3 +101,46 @@ class Replicas:
         else:  # a shared cluster: take down only our applications
             for name in self.handles:
                 serve.delete(name)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A `host:port` (or `ray://host:port`) where nothing listens is refused at once."""
+    hostport = address.split("://", 1)[-1]
+    if address == "auto" or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"could not join the Ray cluster at {address!r} ([cluster] ray_address): nothing "
+                              f"answers there ({e}); is `ray start --head` running on it?") from None
+
+
+def _check_resources(config: EngineConfig, started_ray: bool) -> None:
+    """The replicas' CPUs and GPUs exist: Serve would wait for them for ever, silently."""
+    cluster = config.cluster
+    have = ray.cluster_resources()
+    short = []
+    for kind, per_replica, flag in (("CPU", cluster.replica_cpus, "--replica-cpus"),
+                                    ("GPU", cluster.replica_gpus, "--replica-gpus")):
+        need = cluster.replicas * per_replica
+        if need > have.get(kind, 0):
+            short.append(f"{cluster.replicas} x {per_replica:g} = {need:g} {kind}s ({flag}), it has {have.get(kind, 0):g}")
+    if not short:
+        return
+    message = f"the {cluster.replicas} replicas need more than the Ray cluster has: {'; '.join(short)}"
+    if started_ray:  # our own local Ray: nothing will ever add them
+        raise ValueError(f"{message} (a local Ray gets --ray-num-cpus CPUs and the GPUs it sees)")
+    print(f"[stepwise] warning: {message}; the replicas start only once an autoscaler adds them", file=sys.stderr)
+
+
+def _deployment_errors(names: list[str]) -> str:
+    """Why the replicas' deployments failed (e.g. the engine's own start-up error), from Serve."""
+    try:
+        apps = serve.status().applications
+    except Exception:  # the reason stays in Ray's logs
+        return ""
+    # the message ends with the replica's traceback: its last line is the error itself
+    messages = [f"{name}: {d.message.strip().splitlines()[-1]}" for name in names if name in apps
+                for d in apps[name].deployments.values() if d.message.strip()]
+    return "; ".join(messages)

@@ -39,7 +39,11 @@ async def start_cluster(config: EngineConfig, started_ray: bool | None = None) -
 async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[[], asyncio.Event],
                         access_log: bool = False) -> int:
     # Ray installs its own SIGTERM handler in ray.init: connect first, then take the signals back.
-    started_ray = Replicas.connect(config)
+    try:
+        started_ray = Replicas.connect(config)
+    except ConnectionError as e:  # nothing at --ray-address, or Ray refused us
+        print(f"[stepwise] {e}", file=sys.stderr)
+        return 1
     stop = stop_on_signals()
     starting = asyncio.create_task(start_cluster(config, started_ray), name="stepwise-cluster-start")
     stopping = asyncio.create_task(stop.wait())
