@@ -61,7 +61,9 @@ class Detokenizer:
             return
         longest = max(len(s) for s in self.stop)
         start = max(0, self.num_emitted - longest + 1)
-        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, max(start, self.stop_from - len(s) + 1))) >= 0]
+        # a match must end past stop_from: it starts at stop_from - len(s) + 1 or later
+        found = ((self.text.find(s, max(start, self.stop_from - len(s) + 1)), s) for s in self.stop)
+        hits = [(i, i + len(s)) for i, s in found if i >= 0]
         if hits:
             begin, end = min(hits)
             self.text = self.text[: end if self.include_stop else begin]

@@ -127,7 +127,8 @@ class Engine:
             cfg.scheduler.priority_aging_s, cost=StepCostModel(split_rows=model.small_step_rows),
         )
         self.intake = Intake(
-            self.tokenizer, self.scheduler.add, self.scheduler.abort, shape.max_position, cfg.cache.num_blocks * cfg.cache.block_size,
+            self.tokenizer, self.scheduler.add, self.scheduler.abort, shape.max_position,
+            cfg.cache.num_blocks * cfg.cache.block_size,
             cfg.scheduler.max_waiting, lambda: self.scheduler.num_queued, cfg.model.seed, eos_token_ids,
             shape.vocab_size,
             cfg.scheduler.max_num_seqs,
@@ -324,8 +325,8 @@ class Engine:
         self._require_built()
         kv = self.block_manager.figures
         return msgspec.structs.replace(
-            self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks, prefix_cache_hit_rate=kv.hit_rate,
-            num_waiting_for_grammar=self.intake.num_compiling,
+            self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_hit_rate=kv.hit_rate, num_waiting_for_grammar=self.intake.num_compiling,
         )
 
     def _require_loop(self) -> None:

@@ -11,6 +11,7 @@ admitted meanwhile.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 from collections.abc import Callable
@@ -75,16 +76,15 @@ class Intake:
                         # it are admitted meanwhile, as vLLM's wait for their grammar apart.
                         task = asyncio.create_task(self._handle(msg), name=f"stepwise-grammar-{msg.request_id}")
                         self._compiling[msg.request_id] = task
-                        task.add_done_callback(lambda _, rid=msg.request_id: self._compiling.pop(rid, None))
+                        task.add_done_callback(functools.partial(self._compiled, msg.request_id))
                     case Submit() as msg:
                         await self._handle(msg)
                     case AbortRequest(request_id):
                         # In this inbox behind the Submit it names: a request still waiting for
                         # its grammar is refused now; any other has reached the scheduler.
                         task = self._compiling.pop(request_id, None)
-                        if task is not None:
+                        if task is not None and task.cancel():  # (a task already done has added it)
                             self._aborted.add(request_id)
-                            task.cancel()
                         self.abort(request_id)
                     case Shutdown():
                         return
@@ -92,6 +92,10 @@ class Intake:
             for task in self._compiling.values():
                 task.cancel()
             self._thread.shutdown(wait=False)
+
+    def _compiled(self, request_id: str, task: asyncio.Task) -> None:
+        if self._compiling.get(request_id) is task:  # not a later request of the same id
+            del self._compiling[request_id]
 
     async def _handle(self, msg: Submit) -> None:
         try:

@@ -1,8 +1,8 @@
 """ClusterEngine: the engine API the aiohttp frontend calls, answered by engine replicas.
 
 It has what the frontend uses of `Engine` — `submit` / `stream` / `generate` / `abort`,
-`ready` / `dead`, `config`, `tokenizer`, `max_model_len`, `queue_capacity`, `steps` — so the OpenAI routes,
-their SSE bytes, errors and the shutdown drain are the single-process server's own code.
+`ready` / `dead`, `config`, `tokenizer`, `max_model_len`, `queue_capacity`, `steps` — so the
+OpenAI routes, their SSE bytes, errors and the shutdown drain are the single-process server's own code.
 
 `submit` tokenizes the prompt (once), hashes its full KV blocks with the block manager's
 chain, asks the `Router` for a replica, and opens the replica's `generate` stream; the

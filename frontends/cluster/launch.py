@@ -125,7 +125,8 @@ def _check_resources(config: EngineConfig, started_ray: bool) -> None:
                                     ("GPU", cluster.replica_gpus, "--replica-gpus")):
         need = cluster.replicas * per_replica
         if need > have.get(kind, 0):
-            short.append(f"{cluster.replicas} x {per_replica:g} = {need:g} {kind}s ({flag}), it has {have.get(kind, 0):g}")
+            short.append(f"{cluster.replicas} x {per_replica:g} = {need:g} {kind}s ({flag}), "
+                         f"it has {have.get(kind, 0):g}")
     if not short:
         return
     message = f"the {cluster.replicas} replicas need more than the Ray cluster has: {'; '.join(short)}"

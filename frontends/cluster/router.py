@@ -10,8 +10,9 @@ Policies (`[cluster] router`):
   that was last sent its longest known prefix, where those blocks most likely still sit in
   the prefix cache, if that prefix is at least `min_share` of the prompt (a chat template's
   opening block, which every conversation shares, would otherwise send every chat to one
-  replica; SGLang's cache threshold). With no such prefix, or when that replica is overloaded (its in-flight
-  requests exceed the least-loaded replica's by more than `abs_threshold` AND by more than
+  replica; SGLang's cache threshold). With no such prefix, or when that replica is
+  overloaded (its in-flight requests exceed the least-loaded replica's by more than
+  `abs_threshold` AND by more than
   `rel_threshold` times, SGLang's rule), it goes to the least-loaded replica.
 - "least-loaded": fewest in-flight requests.
 - "round-robin": the next healthy replica in turn.
