@@ -12,8 +12,8 @@ Policies (`[cluster] router`):
   opening block, which every conversation shares, would otherwise send every chat to one
   replica; SGLang's cache threshold). With no such prefix, or when that replica is
   overloaded (its in-flight requests exceed the least-loaded replica's by more than
-  `abs_threshold` AND by more than
-  `rel_threshold` times, SGLang's rule), it goes to the least-loaded replica.
+  `abs_threshold` AND by more than `rel_threshold` times, SGLang's rule), it goes to the
+  least-loaded replica.
 - "least-loaded": fewest in-flight requests.
 - "round-robin": the next healthy replica in turn.
 
