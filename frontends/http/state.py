@@ -27,7 +27,8 @@ class ServerState:
     @property
     def token_text(self) -> TokenText:
         """Token ids' text and bytes for logprobs (the tokenizer exists once the engine started)."""
-        if self._token_text is None:
+        if self._token_text is None or self._token_text.tokenizer is not self.engine.tokenizer:
+            # built by a request that came while the model loaded, it would hold no tokenizer for good
             self._token_text = TokenText(self.engine.tokenizer)
         return self._token_text
 

@@ -199,12 +199,17 @@ async def test_loading_is_503(tiny_model, aiohttp_client):
     resp = await client.post(COMPLETIONS, json={"prompt": "x"})
     assert resp.status == 503
     assert_openai_error(await resp.json(), None, "loading")
+    # a logprobs request while loading left the logprobs' token texts without a tokenizer for
+    # good: every later logprobs request was a 500 (session 21 re-audit)
+    assert (await client.post(COMPLETIONS, json={"prompt": "x", "logprobs": 1})).status == 503
     assert (await client.get("/metrics")).status == 200
     assert (await client.get("/v1/models")).status == 200
     await engine.start()
     try:
         assert (await client.get("/health")).status == 200
         await ok(client)
+        resp = await client.post(COMPLETIONS, json={"prompt": "x", "logprobs": 1, "max_tokens": 2})
+        assert resp.status == 200 and len((await resp.json())["choices"][0]["logprobs"]["tokens"]) == 2
     finally:
         await client.close()
         await engine.stop()
