@@ -63,6 +63,7 @@ class Engine:
         self._ids = itertools.count()
         # request id -> its outputs, from submit until the final output is taken or it is aborted
         self._live: dict[str, OutputBuffer] = {}
+        self._in_intake: set[str] = set()  # submitted, not yet accepted or refused by intake
         self.ready = False
         self._started = False  # start() was called (and did not fail): an engine starts once
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop its actors run on
@@ -228,6 +229,8 @@ class Engine:
         outputs = OutputBuffer(on_final=lambda: self._forget(request_id, outputs), num_choices=n)
         self._live[request_id] = outputs  # reserved now: no await between the check and this
         reply = asyncio.get_running_loop().create_future()
+        self._in_intake.add(request_id)
+        reply.add_done_callback(lambda _: self._in_intake.discard(request_id))
         self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params, outputs, reply))
         try:
             await asyncio.shield(reply)
@@ -296,8 +299,12 @@ class Engine:
         outputs = self._live.get(request_id)
         if outputs is not None:
             outputs.abandon()  # forgotten once it ends, even if nobody reads its final output
-        if self._tasks:  # through intake, behind the Submit: it may still hold the request
+        if not self._tasks:
+            return
+        if request_id in self._in_intake:  # behind its Submit, which intake may still hold (tokenizing, compiling)
             self.intake.inbox.put_nowait(AbortRequest(request_id))
+        else:  # straight to the scheduler: not behind other requests' tokenizing
+            self.scheduler.abort(request_id)
 
     # --- observation --------------------------------------------------------------------
 

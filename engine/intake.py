@@ -80,8 +80,9 @@ class Intake:
                     case Submit() as msg:
                         await self._handle(msg)
                     case AbortRequest(request_id):
-                        # In this inbox behind the Submit it names: a request still waiting for
-                        # its grammar is refused now; any other has reached the scheduler.
+                        # Sent here while intake held the Submit it names, so it comes after it: a
+                        # request still waiting for its grammar is refused now; any other has
+                        # reached the scheduler, and the abort follows it there.
                         task = self._compiling.pop(request_id, None)
                         if task is not None and task.cancel():  # (a task already done has added it)
                             self._aborted.add(request_id)

@@ -165,8 +165,8 @@ class Scheduler:
                     self.requests[r.request_id] = r  # the choices to fork wait outside the queues
                 self._enqueue(request)
             case AbortRequest(request_id):
-                # Aborts come through intake, behind the request they name, so an unknown
-                # id has already left (or never existed): nothing to do.
+                # An abort follows the request it names (through intake while intake holds
+                # it), so an unknown id has already left (or never existed): nothing to do.
                 req = self.requests.get(request_id)
                 if req is None or req.params.n > 1:  # every choice of the group still here
                     members = [r for r in self.requests.values() if r.group_id == request_id]
