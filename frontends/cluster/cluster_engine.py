@@ -9,10 +9,10 @@ chain, asks the `Router` for a replica, and opens the replica's `generate` strea
 replica's first item says whether its engine accepted the request (a refusal raises the
 same engine error here). A replica that cannot be reached — the call fails, or the health
 task marks it down (dead, or hung) before it answers — is given up and the next one is
-tried. `stream` relays the replica's outputs; if the replica dies mid-stream, or cannot be
-told to abort within ABORT_TIMEOUT_S (hung: shutdown must not wait for it), the stream ends
-with a final output `finish_reason="error"` (the frontend turns it into an SSE error event
-and [DONE]). A health task probes every replica and marks it up when it answers.
+tried. `stream` relays the replica's outputs; if the replica dies or is marked down (a hung
+one: no answer to the health probe for 5 s) mid-stream, or cannot be told to abort within
+ABORT_TIMEOUT_S (shutdown must not wait for it), the stream ends with a final output
+`finish_reason="error"` (the frontend turns it into an SSE error event and [DONE]). A health task probes every replica and marks it up when it answers.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ class ClusterEngine:
             try:
                 while True:
                     try:
-                        out = await _unless(remote.outputs.__anext__(), remote.cut)
+                        gone = (remote.cut, self._went_down(remote.replica))  # stop waiting on a hung replica
+                        out = await _unless(remote.outputs.__anext__(), *gone)
                     except StopAsyncIteration:
                         break
                     if out.finished:
@@ -255,15 +256,15 @@ class ClusterEngine:
             await self._health_changed.wait()
 
 
-async def _unless(call, gone: asyncio.Future):
-    """Await `call`, unless `gone` resolves first (its ReplicaGone is raised, `call` cancelled)."""
+async def _unless(call, *gone: asyncio.Future):
+    """Await `call`, unless one of `gone` resolves first (its ReplicaGone is raised, `call` cancelled)."""
     item = asyncio.ensure_future(call)
     try:
-        await asyncio.wait([item, gone], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([item, *gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not item.done():  # gone first, or we were cancelled: nobody will read it
             item.cancel()
             item.add_done_callback(lambda t: t.cancelled() or t.exception())  # may end in Ray's own error
     if item.done() and not item.cancelled():
         return item.result()
-    return gone.result()  # raises ReplicaGone
+    return next(g for g in gone if g.done()).result()  # raises ReplicaGone

@@ -224,27 +224,32 @@ async def test_replica_killed_mid_stream_ends_its_stream_and_comes_back(replicas
         assert victim in served
 
 
-async def test_a_hung_replica_is_routed_around_and_its_streams_end_when_aborted(replicas):
-    """A request routed to a replica that hangs waited for it (minutes: until Ray's health check
-    killed it); an abort of a stream on it waited as long, holding a shutdown."""
+async def test_a_hung_replica_is_routed_around_and_its_streams_end(replicas):
+    """A request routed to a replica that hangs waited for it, and so did its streams and an
+    abort of them (minutes: until Ray's health check killed it), holding a shutdown."""
     async with ingress(replicas) as (engine, client):
         story = {"prompt": SYSTEM + "Tell a long story", "max_tokens": 1500, "ignore_eos": True}
-        resp = await client.post("/v1/completions", json={**story, "stream": True})
-        victim = resp.headers[REPLICA_HEADER]
-        await resp.content.readuntil(b"\n\n")
+        aborted = await client.post("/v1/completions", json={**story, "stream": True})
+        left = await client.post("/v1/completions", json={**story, "stream": True})  # the prefix: same replica
+        victim = aborted.headers[REPLICA_HEADER]
+        assert left.headers[REPLICA_HEADER] == victim
+        for resp in (aborted, left):
+            await resp.content.readuntil(b"\n\n")
         pid = (await replicas.handles[victim].describe.remote())["pid"]
         os.kill(pid, signal.SIGSTOP)
         try:
             loop = asyncio.get_running_loop()
+            start = loop.time()
+            await engine.abort(aborted.headers["X-Request-Id"])  # before the probe notices: 2 s to take it
+            events = sse_events(await asyncio.wait_for(aborted.read(), 30))
+            assert events[-1] == "[DONE]" and victim in events[-2]["error"]["message"], events[-2:]
+            assert loop.time() - start < 15  # the 2 s abort timeout, on a loaded machine
             start = loop.time()  # the same prompt follows its prefix to the victim, then fails over
             moved = await client.post("/v1/completions", json={**story, "max_tokens": 2})
             assert moved.status == 200 and moved.headers[REPLICA_HEADER] != victim
             assert loop.time() - start < 30  # the probe's 5 s timeout, on a loaded machine
-            start = loop.time()
-            await engine.abort(resp.headers["X-Request-Id"])
-            events = sse_events(await asyncio.wait_for(resp.read(), 30))
+            events = sse_events(await asyncio.wait_for(left.read(), 30))  # ended: its replica is down
             assert events[-1] == "[DONE]" and victim in events[-2]["error"]["message"], events[-2:]
-            assert loop.time() - start < 15
         finally:
             os.kill(pid, signal.SIGCONT)
         await asyncio.wait_for(engine.wait_healthy(victim), 120)
