@@ -3,7 +3,9 @@
 ForcedCalls (tool_choice "required" / a named function): the output is grammar-forced calls.
 Streamed, a call's first delta (id, type, name, empty arguments) goes out once its name is
 complete, then its arguments as they grow. A complete output finishes with "tool_calls"; an
-output cut short (finish_reason "length") keeps "length" and, whole, is returned as content.
+output cut short (by max_tokens or a stop string) keeps its finish reason and, whole as
+streamed, the calls written so far (OpenAI's and vLLM's shape: a truncated call's arguments
+are truncated JSON; a call whose name is not complete yet is not there).
 
 HermesCalls (tool_choice "auto"): free text; streamed text that might open `<tool_call>` is
 held back until it cannot, and from a `<tool_call>` on everything is kept until the end, when
@@ -72,10 +74,10 @@ class ForcedCalls:
     def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
         text, finish_reason = out.text, out.finish_reason
         calls, complete = scan_calls(text)
-        if not complete:
-            return _whole(self.base, AssistantMessage("assistant", text), finish_reason, usage)
         tool_calls = [ToolCall(new_call_id(), "function", FunctionCall(c.name, c.arguments)) for c in calls]
-        return _whole(self.base, AssistantMessage("assistant", None, tool_calls), "tool_calls", usage)
+        # as the stream: the calls written so far, never the text
+        message = AssistantMessage("assistant", None, tool_calls) if tool_calls else AssistantMessage("assistant", None)
+        return _whole(self.base, message, "tool_calls" if complete else finish_reason, usage)
 
 
 @dataclass

@@ -117,9 +117,17 @@ def test_forced_stream_adds_up_to_the_whole(text):
     assert [n for n, _ in calls] == [c.name for c in scan_calls(text)[0]]
 
 
-def test_forced_cut_short_keeps_length():
-    assert whole(ForcedCalls(base()), ONE[:20], "length") == (ONE[:20], [], "length")
-    assert streamed(ForcedCalls(base()), [ONE[:20]], "length")[2] == "length"
+@pytest.mark.parametrize("cut", [20, 45, len(ONE) - 1])  # in the name, in the arguments, before the last "}"
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_forced_cut_short_keeps_its_reason_and_whole_equals_streamed(cut, reason):
+    """Whole, a cut-short output was returned as its raw text in content, while the stream gave
+    the calls written so far (session 21 audits)."""
+    text = ONE[:cut]
+    content, calls, got = whole(ForcedCalls(base()), text, reason)
+    assert content is None and got == reason
+    assert calls == ([] if cut == 20 else [("get_weather", text[text.index('"arguments": ') + 13:])])
+    s_content, s_calls, s_reason = streamed(ForcedCalls(base()), [text[i:i + 4] for i in range(0, cut, 4)], reason)
+    assert (s_content or None, s_calls, s_reason) == (content, calls, got)
 
 
 @pytest.mark.parametrize("text, n_calls", [
