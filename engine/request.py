@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import math
 import re
 import time
 
@@ -71,17 +70,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             self.structured_output.validate()
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not -2.0 <= value <= 2.0:  # NaN fails every range
                 raise RequestError(f"{name} must be in [-2, 2], got {value!r}", name)
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+        if not 0.0 < self.repetition_penalty <= 100.0:
             raise RequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}",
                                "repetition_penalty")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         for token, bias in self.logit_bias.items():
             if token < 0:
                 raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
-            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+            if not -100.0 <= bias <= 100.0:
                 raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
                                    "logit_bias")
         if self.min_tokens < 0:
@@ -126,10 +125,6 @@ def _plain(value: object) -> object:
     if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
         return int(value)
     return value
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def choice_seed(seed: int, index: int) -> int:
