@@ -155,7 +155,8 @@ class ClusterEngine:
                 error = "the replica ended the stream without a final output"
             except Exception as e:  # the replica died (or Ray lost it, or it hangs) mid-stream
                 remote.outputs.cancel()
-                self._mark_down(remote.replica, e)
+                if not isinstance(e, ReplicaGone):  # marked down already, or one abort was slow: the probe decides
+                    self._mark_down(remote.replica, e)
                 error = f"engine replica {remote.replica} failed: {type(e).__name__}"
             finished = True
             yield RequestOutput(request_id=request_id, text="", token_ids=[], finished=True, finish_reason="error",
