@@ -23,8 +23,8 @@ from textual.worker import Worker, WorkerState
 
 from engine.messages import StepRecord
 from monitor.source import (
-    Backoff, Connected, Connecting, Disconnected, EngineState, SourceEvent, StateEvent, StepEvent, StepSource, describe_error,
-    follow,
+    Backoff, Connected, Connecting, Disconnected, EngineState, Refused, SourceEvent, StateEvent, StepEvent, StepSource,
+    describe_error, follow,
 )
 from monitor.state import MonitorState
 from monitor.widgets import (
@@ -45,7 +45,7 @@ class StateReceived(Message):
 
 
 class ConnectionChanged(Message):
-    def __init__(self, event: Connecting | Connected | Disconnected) -> None:
+    def __init__(self, event: Connecting | Connected | Disconnected | Refused) -> None:
         super().__init__()
         self.event = event
 

@@ -29,7 +29,7 @@ import msgspec
 
 from engine.messages import StepRecord
 from frontends.http import sse
-from monitor.source import EngineState, SourceUnavailable, StepSource
+from monitor.source import EngineState, SourceRefused, SourceUnavailable, StepSource
 
 STEPS_PATH = "/v1/engine/steps"
 STATE_PATH = "/v1/engine/state"
@@ -76,11 +76,15 @@ class HttpSource(StepSource):
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise SourceUnavailable(f"cannot connect to {self.url} ({type(e).__name__}: {e})") from None
         if resp.status != 200:
-            body = (await resp.text(errors="replace"))[:200].strip()
+            body = await resp.read()
             resp.release()
+            error = _error(body) if resp.status == 404 else None
+            if error is not None and error.code == "unknown_replica":
+                raise SourceRefused(f"{error.message} (--replica)")
             hint = " (wrong --api-key?)" if resp.status in (401, 403) else \
                    " (is this a Stepwise server?)" if resp.status == 404 else ""
-            raise SourceUnavailable(f"GET {STEPS_PATH} answered HTTP {resp.status}{hint}: {body}")
+            text = body.decode(errors="replace")[:200].strip()
+            raise SourceUnavailable(f"GET {STEPS_PATH} answered HTTP {resp.status}{hint}: {text}")
         self._response = resp
         self._state_supported = True
         self._state_failures = 0
@@ -140,6 +144,23 @@ class HttpSource(StepSource):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class _Error(msgspec.Struct):
+    message: str = ""
+    code: str | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _Error
+
+
+def _error(body: bytes) -> _Error | None:
+    """The OpenAI-shaped error in a response body, if it is one."""
+    try:
+        return msgspec.json.decode(body, type=_ErrorBody).error
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def _os_reason(e: aiohttp.ClientConnectorError) -> str:

@@ -32,6 +32,10 @@ class SourceUnavailable(Exception):
     """The source cannot be reached or its stream broke; the message says why, for a person."""
 
 
+class SourceRefused(SourceUnavailable):
+    """The source answered, and no retry can change its answer (a replica it does not have)."""
+
+
 class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One engine replica behind a cluster ingress (`engine-serve --replicas N`)."""
 
@@ -110,6 +114,14 @@ class Disconnected:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """The last event: the source refused for good, so `follow` stopped retrying."""
+
+    description: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepEvent:
     record: StepRecord
 
@@ -119,7 +131,7 @@ class StateEvent:
     state: EngineState
 
 
-SourceEvent = Connecting | Connected | Disconnected | StepEvent | StateEvent
+SourceEvent = Connecting | Connected | Disconnected | Refused | StepEvent | StateEvent
 
 
 @dataclass
@@ -157,7 +169,8 @@ async def follow(
     state_interval_s: float = 0.5,
     backoff: Backoff | None = None,
 ) -> AsyncIterator[SourceEvent]:
-    """Events from `source`, forever: reconnects with backoff whenever the stream is lost.
+    """Events from `source`: reconnects with backoff whenever the stream is lost, for ever
+    unless the source refuses for good (SourceRefused), which ends with a Refused event.
 
     Use it with `contextlib.aclosing` so that cancelling the consumer closes the connection.
     """
@@ -169,6 +182,9 @@ async def follow(
             await source.connect()
         except asyncio.CancelledError:
             raise
+        except SourceRefused as e:
+            yield Refused(source.description, describe_error(e))
+            return
         except Exception as e:  # noqa: BLE001 - every failure is a reason to show and retry
             reason = describe_error(e)
         else:

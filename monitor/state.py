@@ -11,7 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from engine.messages import EngineSnapshot, StepRecord
-from monitor.source import Connected, Connecting, Disconnected, EngineState
+from monitor.source import Connected, Connecting, Disconnected, EngineState, Refused
 
 HISTORY = 2048  # steps kept for the strip
 LATENCY_SAMPLES = 512  # "recent" for the P50/P99 figures
@@ -37,7 +37,7 @@ def output_tokens(record: StepRecord) -> int:
 
 @dataclass(frozen=True)
 class StatusView:
-    kind: str  # "connecting" | "connected" | "disconnected"
+    kind: str  # "connecting" | "connected" | "disconnected" | "refused" (no more retries)
     description: str
     reason: str = ""
     retry_in_s: float = 0.0
@@ -93,7 +93,7 @@ class MonitorState:
 
     # --- feeding ------------------------------------------------------------------------
 
-    def on_connection(self, event: Connecting | Connected | Disconnected) -> None:
+    def on_connection(self, event: Connecting | Connected | Disconnected | Refused) -> None:
         match event:
             case Connecting(description, attempt, activity):
                 if self.status.kind == "disconnected":  # keep saying why while retrying
@@ -104,6 +104,8 @@ class MonitorState:
                 self.status = StatusView("connected", description)
             case Disconnected(description, reason, retry_in_s, attempt):
                 self.status = StatusView("disconnected", description, reason, retry_in_s, attempt)
+            case Refused(description, reason):
+                self.status = StatusView("refused", description, reason)
 
     def on_state(self, state: EngineState) -> None:
         self.snapshot = state.snapshot  # None while the engine is loading

@@ -74,7 +74,7 @@ class StatusBar(Widget):
     engine: reactive[str] = reactive("")  # "chunked · smollm2-135m"
 
     def watch_status(self, status: StatusView) -> None:
-        for kind in ("connecting", "connected", "disconnected"):
+        for kind in ("connecting", "connected", "disconnected", "refused"):
             self.set_class(status.kind == kind, f"-{kind}")
 
     def watch_paused(self, paused: bool) -> None:
@@ -89,6 +89,9 @@ class StatusBar(Widget):
             text.append("● live", style="bold")
         elif s.kind == "connecting":
             text.append(f"◌ {s.activity}…", style="bold")
+        elif s.kind == "refused":
+            text.append("✕ refused — not retrying (q quits)", style="bold")
+            text.append(f" · {s.reason}")
         else:
             retry = f"retrying in {s.retry_in_s:.1f} s" if s.retry_in_s else f"retrying (attempt {s.attempt})"
             text.append(f"○ disconnected — {retry}", style="bold")

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from engine import Engine
 from frontends.http import sse
+from frontends.http.errors import ApiError
 from frontends.http.metrics import CONTENT_TYPE
 from frontends.http.state import STATE
 
@@ -49,11 +50,22 @@ def state_of(engine: Engine) -> dict:
     }
 
 
+def _no_replica(request: web.Request) -> None:
+    """`?replica=` names a replica of a cluster ingress; one engine has none to choose, and
+    answering with its own figures would show them under the name asked for."""
+    if "replica" in request.query:
+        raise ApiError(404, f"no replica {request.query['replica']!r}: this server runs one engine "
+                            "(a cluster ingress, engine-serve --replicas N, has replicas)",
+                       param="replica", code="unknown_replica")
+
+
 async def engine_state(request: web.Request) -> web.Response:
+    _no_replica(request)
     return _json(state_of(request.app[STATE].engine))
 
 
 async def engine_steps(request: web.Request) -> web.StreamResponse:
+    _no_replica(request)
     state = request.app[STATE]
     with state.live.track(), state.feed.subscribe() as records:
         return await sse.relay(request, records)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
 from engine import Engine
 from monitor.http_source import HttpSource
-from monitor.source import Backoff, Connected, Disconnected, StateEvent, StepEvent, follow
+from monitor.source import Backoff, Connected, Disconnected, Refused, StateEvent, StepEvent, follow
 from tests.tiny import tiny_config
 
 http = pytest.importorskip("frontends.http")
@@ -74,6 +75,23 @@ async def test_api_key(tiny_model):
             assert isinstance(ev, expect), (key, ev)
             if expect is Disconnected:
                 assert "HTTP 401" in ev.reason and "--api-key" in ev.reason
+
+
+async def test_a_replica_of_one_engine_is_refused_for_good(tiny_model):
+    """`--replica` against a server without replicas: a 404 naming the parameter (its own
+    figures under another name would mislead), and the monitor stops retrying."""
+    async with server(tiny_model) as (_, url):
+        async with aiohttp.ClientSession() as session:
+            for path in ("/v1/engine/steps", "/v1/engine/state"):
+                async with session.get(url + path, params={"replica": "replica-1"}) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 404 and error["code"] == "unknown_replica" and error["param"] == "replica"
+                    assert "one engine" in error["message"]
+        source = HttpSource(url, replica="replica-1")
+        events = [ev async for ev in follow(source, backoff=Backoff(0.05))]  # ends by itself
+        await source.close()
+    assert isinstance(events[-1], Refused) and not any(isinstance(ev, Disconnected) for ev in events)
+    assert "no replica 'replica-1'" in events[-1].reason and "--replica" in events[-1].reason
 
 
 def _params(**kw):

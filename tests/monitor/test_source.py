@@ -224,6 +224,34 @@ async def test_http_source_404_on_steps_says_so():
         await runner.cleanup()
 
 
+async def test_app_shows_an_unknown_replica_as_refused_without_retrying():
+    async def steps(request: web.Request) -> web.Response:
+        hits.append(request.query.get("replica"))
+        error = {"message": "no replica 'r9'; replicas: replica-0, replica-1", "type": "not_found_error",
+                 "param": "replica", "code": "unknown_replica"}
+        return web.json_response({"error": error}, status=404)
+
+    hits: list[str | None] = []
+    app = web.Application()
+    app.router.add_get(STEPS_PATH, steps)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    monitor = MonitorApp(HttpSource(f"http://127.0.0.1:{port}", replica="r9"), backoff=Backoff(0.01),
+                         min_refresh_interval_s=0)
+    try:
+        async with monitor.run_test(size=(160, 40)) as pilot:
+            await until(pilot, lambda: monitor.monitor.status.kind == "refused")
+            await asyncio.sleep(0.2)  # a retry would come within 0.01 s
+            await pilot.pause()
+            status = plain(monitor.query_one(StatusBar))
+            assert "refused — not retrying" in status and "replicas: replica-0, replica-1 (--replica)" in status
+            assert hits == ["r9"]
+    finally:
+        await runner.cleanup()
+
+
 async def test_app_over_http_shows_disconnected_then_recovers():
     port = free_port()
     source = HttpSource(f"http://127.0.0.1:{port}")

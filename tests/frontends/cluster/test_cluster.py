@@ -25,6 +25,7 @@ from frontends.cluster.app import REPLICA_HEADER, create_cluster_app  # noqa: E4
 from frontends.cluster.cluster_engine import ClusterEngine  # noqa: E402
 from frontends.cluster.launch import Replicas  # noqa: E402
 from monitor.http_source import HttpSource  # noqa: E402
+from monitor.source import Backoff, Refused, follow  # noqa: E402
 from tests.frontends.conftest import metric, serving, sse_events, tiny_config  # noqa: E402
 
 # torch attention: a replica (and its restart) must not wait for the C++ kernel to compile
@@ -194,6 +195,10 @@ async def test_metrics_state_and_steps_per_replica(replicas):
         seen = await monitor.state()
         assert seen.replica == "replica-1" and [r.name for r in seen.replicas] == NAMES
         await monitor.close()
+        bogus = HttpSource(str(client.make_url("")), replica="replica-9")  # the monitor stops retrying
+        events = [ev async for ev in follow(bogus, backoff=Backoff(0.05))]
+        await bogus.close()
+        assert isinstance(events[-1], Refused) and "replicas: replica-0, replica-1" in events[-1].reason
 
 
 async def test_replica_killed_mid_stream_ends_its_stream_and_comes_back(replicas):
