@@ -180,6 +180,8 @@ class MonitorApp(App[None]):
         self.monitor.on_connection(message.event)
         # the connection line is live even while the view is paused
         self.query_one(StatusBar).status = self.monitor.status
+        if isinstance(message.event, Connected):
+            self._schedule_flush()  # a new connection starts an empty history: show it
 
     # --- pushing views down ---------------------------------------------------------------
 
@@ -199,8 +201,7 @@ class MonitorApp(App[None]):
             return
         self._last_flush = time.monotonic()
         m = self.monitor
-        if m.last is not None:
-            self.query_one(StepPanel).view = StepView(m.last, m.prompt_lengths())
+        self.query_one(StepPanel).view = StepView(m.last, m.prompt_lengths()) if m.last else None
         self.query_one(StepStrip).records = tuple(m.records)
         self.query_one(QueuePanel).view = m.queues()
         self.query_one(LatencyPanel).view = m.latency()

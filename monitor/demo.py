@@ -18,7 +18,7 @@ from engine.engine import Engine
 from engine.errors import EngineDeadError
 from engine.messages import StepRecord
 from engine.request import SamplingParams
-from monitor.source import EngineState, SourceUnavailable, StepSource, describe_error
+from monitor.source import EngineState, SourceRefused, SourceUnavailable, StepSource, describe_error
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -135,7 +135,8 @@ class EngineSource(StepSource):
             await engine.start()
         except Exception as e:  # noqa: BLE001
             await engine.stop()
-            raise SourceUnavailable(f"the engine failed to start: {describe_error(e)}") from None
+            # a model or config it cannot load: starting again would fail the same way
+            raise SourceRefused(f"the engine failed to start: {describe_error(e)}") from None
         self.engine = engine
         if self.load_settings is not None:
             self.load = DemoLoad(engine, self.load_settings)

@@ -23,6 +23,7 @@ An API key, when the server wants one, goes in `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -39,7 +40,7 @@ STATE_FAILURES_TO_DISCONNECT = 3
 class HttpSource(StepSource):
     def __init__(self, url: str, *, api_key: str = "", replica: str | None = None, connect_timeout_s: float = 3.0,
                  state_timeout_s: float = 5.0):
-        self.url = url.rstrip("/")
+        self.url = _checked(url).rstrip("/")
         self.description = self.url
         self.replica = replica
         if replica:
@@ -81,13 +82,20 @@ class HttpSource(StepSource):
             error = _error(body) if resp.status == 404 else None
             if error is not None and error.code == "unknown_replica":
                 raise SourceRefused(f"{error.message} (--replica)")
-            hint = " (wrong --api-key?)" if resp.status in (401, 403) else \
-                   " (is this a Stepwise server?)" if resp.status == 404 else ""
+            hint = self._hint(resp.status)
             text = body.decode(errors="replace")[:200].strip()
             raise SourceUnavailable(f"GET {STEPS_PATH} answered HTTP {resp.status}{hint}: {text}")
         self._response = resp
         self._state_supported = True
         self._state_failures = 0
+
+    def _hint(self, status: int) -> str:
+        if status in (401, 403):
+            return " (wrong --api-key?)"
+        if status == 404:
+            return " (--url is the server's root: drop the /v1)" if self.url.endswith("/v1") else \
+                   " (is this a Stepwise server?)"
+        return ""
 
     async def steps(self) -> AsyncIterator[StepRecord]:
         resp = self._response
@@ -144,6 +152,19 @@ class HttpSource(StepSource):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _checked(url: str) -> str:
+    """`url` if it can name an HTTP server; a ValueError saying what is wrong otherwise (a
+    typo would otherwise be retried for ever as "cannot connect")."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    try:
+        parts.port  # noqa: B018 - raises for a port out of range or not a number
+    except ValueError as e:
+        raise ValueError(f"--url {url!r}: {e}") from None
+    return url
 
 
 class _Error(msgspec.Struct):

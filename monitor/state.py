@@ -59,7 +59,8 @@ class LatencyView:
 
 @dataclass(frozen=True)
 class QueueView:
-    num_waiting: int
+    num_waiting: int  # in the scheduler's queue, plus those still compiling their grammar
+    num_waiting_for_grammar: int
     num_running: int
     kv_usage: float
     num_blocks: int | None
@@ -101,6 +102,10 @@ class MonitorState:
                 else:
                     self.status = StatusView("connecting", description, attempt=attempt, activity=activity)
             case Connected(description):
+                # a new connection starts a new history: the server may have restarted (an idle
+                # new engine sends no step that would show it), and the steps missed meanwhile
+                # would make rates and counts straddle the gap
+                self.reset()
                 self.status = StatusView("connected", description)
             case Disconnected(description, reason, retry_in_s, attempt):
                 self.status = StatusView("disconnected", description, reason, retry_in_s, attempt)
@@ -194,8 +199,10 @@ class MonitorState:
         # the step record is the newer source for counts. KV: as last received, and the block
         # count from that same fraction, so "KV 50%" never sits beside another moment's blocks
         kv_usage = self.kv_usage if self.kv_usage is not None else (rec or snap).kv_usage
+        grammar = snap.num_waiting_for_grammar if snap else 0  # intake's: no step record counts them
         return QueueView(
-            num_waiting=rec.num_waiting if rec else len(snap.waiting),
+            num_waiting=(rec.num_waiting if rec else len(snap.waiting)) + grammar,
+            num_waiting_for_grammar=grammar,
             num_running=rec.num_running if rec else len(snap.running),
             kv_usage=kv_usage,
             num_blocks=snap.num_blocks if snap else None,

@@ -178,14 +178,16 @@ class StepPanel(Widget):
     @staticmethod
     def _item_lines(items: list[StepItem], prompt_lengths: dict[str, int], width: int) -> list[Text]:
         lines = []
-        id_width = min(max((len(i.request_id) for i in items), default=8), 24)
+        # ids up to 24 characters, fewer in a narrow panel: a decode chip (after the 13-column
+        # "decode ×N" indent) and a prefill line's token count must fit the width
+        id_width = min(max((len(i.request_id) for i in items), default=8), 24, max(8, width - 22))
         for it in items:
             if it.kind == "decode":
                 continue
             line = Text()
             line.append("▌", style=KIND_COLOURS[it.kind])
             line.append(f"{it.kind:<8}", style=KIND_COLOURS[it.kind])
-            line.append(f"{it.request_id[:id_width]:<{id_width}}  ")
+            line.append(f"{shorten(it.request_id, id_width):<{id_width}}  ")
             line.append(f"{_n(it.num_tokens):>5} tok", style="bold")
             if it.kind == "prefill":
                 end = it.position + it.num_tokens
@@ -203,7 +205,7 @@ class StepPanel(Widget):
             line.append(f"decode ×{len(decodes)}  ", style=KIND_COLOURS["decode"])
             indent = len(line.plain)
             for it in decodes:
-                chip = f"{it.request_id[:id_width]}@{it.position}"
+                chip = f"{shorten(it.request_id, id_width)}@{it.position}"
                 if len(line.plain) + len(chip) + 1 > width and len(line.plain) > indent:
                     lines.append(line)
                     line = Text(" " * indent)
@@ -211,6 +213,15 @@ class StepPanel(Widget):
                 line.append(" ")
             lines.append(line)
         return lines
+
+
+def shorten(request_id: str, width: int) -> str:
+    """`request_id` in at most `width` characters, cut in the middle: the ids of a prompt
+    list's requests (`ID-0`, `ID-1`) and of n > 1 choices (`ID#1`) differ only at the end."""
+    if len(request_id) <= width:
+        return request_id
+    tail = (width - 1) // 2
+    return f"{request_id[:width - 1 - tail]}…{request_id[-tail:]}"
 
 
 # --- the strip of recent steps ----------------------------------------------------------
@@ -334,6 +345,8 @@ class QueuePanel(Widget):
         q.append("running ", style=DIM)
         q.append(_n(v.num_running), style="bold")
         lines.append(q)
+        if v.num_waiting_for_grammar:
+            lines.append(Text(f"   {_n(v.num_waiting_for_grammar)} of them compiling a grammar", style=DIM))
         colour = "#4fd18b" if v.kv_usage < 0.7 else "#e5c84f" if v.kv_usage < 0.9 else "#e55f4f"
         kv = Text("KV ", style=DIM)
         kv.append_text(bar(width - 9, [(v.kv_usage, colour)], 1.0))

@@ -87,7 +87,8 @@ class Metrics:
         self.steps = Counter("stepwise:steps", "Engine steps by policy.", ["policy"], registry=r)
         self.step_tokens = Counter("stepwise:step_tokens", "Tokens computed per step by policy and kind "
                                    "(prefill, decode, padding, cached).", ["policy", "kind"], registry=r)
-        self.step_duration = Histogram("stepwise:step_duration_seconds", "Forward step time by policy.", ["policy"],
+        self.step_duration = Histogram("stepwise:step_duration_seconds", "Step time in the executor (batch "
+                                       "building, forward, sampling) by policy.", ["policy"],
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.step_errors = Counter("stepwise:step_errors", "Failed steps by policy.", ["policy"], registry=r)
         r.register(SnapshotGauges(engine, model_name))

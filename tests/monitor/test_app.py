@@ -105,7 +105,23 @@ async def test_disconnected_state_and_recovery(how):
         await pilot.pause()
         assert "● live" in plain(app.query_one(StatusBar))
         assert "step 4" in plain(app.query_one(StepPanel))
+        assert [r.step for r in app.query_one(StepStrip).visible()] == [3, 4]  # a new connection, a new history
         assert source.connections == 2
+
+
+async def test_a_server_back_without_steps_shows_no_old_step_as_live():
+    source = ScriptedSource([decodes(1), decodes(2)], state(2, [("r0", 10, 10, 5, 64)]))
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 2)
+        source.end()
+        await until(pilot, lambda: app.monitor.status.kind == "disconnected")
+        source.set_state(state(0))  # restarted, idle
+        source.resume()
+        await until(pilot, lambda: app.monitor.status.kind == "connected" and app.monitor.snapshot.step == 0)
+        await pilot.pause()
+        assert "waiting for the first step" in plain(app.query_one(StepPanel))
+        assert "running 0" in plain(app.query_one(QueuePanel))
 
 
 async def test_not_up_yet_shows_connecting_then_live():
@@ -374,3 +390,40 @@ async def test_a_static_step_counts_each_request_once():
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.steps_shown == 1)
         assert "2 requests" in plain(app.query_one(StepPanel))
+
+
+BATCH_ID = "cmpl-888eae46fb074324949a1b2c3d4e5f60"  # a completions prompt list: one request per prompt
+
+
+async def test_long_ids_that_differ_at_the_end_stay_distinct():
+    """A prompt list's requests (`ID-0`, `ID-1`) and n > 1 choices (`ID#1`) differ only at the
+    end of a long id: the panel shortens ids in the middle, not at the end."""
+    ids = [f"{BATCH_ID}-{i}" for i in range(3)] + [f"{BATCH_ID}-0#1"]
+    items = [(ids[0], "prefill", 16, 0)] + [(i, "decode", 1, 7) for i in ids[1:]]
+    app = make_app(ScriptedSource([record(1, items)], state(1)))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.steps_shown == 1)
+        text = plain(app.query_one(StepPanel))
+    chips = [word for word in text.split() if word.endswith("@7")]
+    assert len(chips) == 3 and len(set(chips)) == 3, chips
+    assert [c[-4:] for c in chips] == ["-1@7", "-2@7", "#1@7"]
+    assert "-0 " in text.splitlines()[3]  # the prefill line ends its id with -0
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40)])
+async def test_a_full_step_panel_says_how_much_it_hides(size):
+    """Every logical line of the panel is one screen row (a long header is cut, not wrapped),
+    so the closing "… N more lines" is on screen whenever items are hidden."""
+    ids = [f"{BATCH_ID}-{i}" for i in range(30)]
+    items = [(f"long-prompt-{i}", "prefill", 64, 128) for i in range(3)] + [(i, "decode", 1, 319) for i in ids]
+    step = msgspec.structs.replace(record(1, items, budget=2048), forward_s=0.2375, predicted_s=0.2412)
+    app = make_app(ScriptedSource([step], state(1)))
+    async with app.run_test(size=size) as pilot:
+        await until(pilot, lambda: app.steps_shown == 1)
+        region = app.query_one(StepPanel).content_region
+        rows = screen_lines(app.export_screenshot())[region.y: region.bottom]
+    rows = [row.split("│")[1].rstrip() for row in rows]  # the panel's own text, between its borders
+    assert rows[0].startswith("step 1 ") and rows[1].startswith("budget ")
+    assert "more lines" in rows[-1], rows
+    chip_rows = [row for row in rows if "cmpl-" in row]
+    assert chip_rows and all(row.endswith("@319") for row in chip_rows), rows  # whole chips: none cut or split

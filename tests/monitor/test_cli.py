@@ -51,3 +51,26 @@ def test_bad_config_is_a_message_not_a_traceback(tmp_path, capsys):
     assert main(["--demo", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engine-monitor: ") and "chunk_sizes" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("localhost:8000", "expected http://HOST:PORT"), ("ftp://h:21", "expected http://HOST:PORT"),
+    ("not a url", "expected http://HOST:PORT"), ("http://h:99999", "Port out of range"),
+    ("http://h:eighty", "Port could not be cast"), ("http:///v1", "expected http://HOST:PORT"),
+])
+def test_an_unusable_url_is_refused_before_the_dashboard_starts(url, says, capsys):
+    """These used to be retried for ever as connection errors."""
+    assert main(["--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"engine-monitor: --url {url!r}: ") and says in err
+
+
+async def test_a_demo_engine_that_cannot_start_is_refused_not_retried():
+    from engine.config import EngineConfig
+    from monitor.source import Backoff, Refused, follow
+
+    source = EngineSource(EngineConfig.load(None, model="/nowhere/model.gguf"), load=None)
+    events = [ev async for ev in follow(source, backoff=Backoff(0.01))]  # ends by itself
+    await source.close()
+    assert isinstance(events[-1], Refused) and events[-1].reason.startswith("the engine failed to start: ")
+    assert "/nowhere/model.gguf" in events[-1].reason

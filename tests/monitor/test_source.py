@@ -213,14 +213,16 @@ async def test_http_source_404_on_steps_says_so():
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    source = HttpSource(f"http://127.0.0.1:{port}")
-    events = follow(source, backoff=Backoff(0.05))
     try:
-        async with contextlib.aclosing(events):
-            ev = await next_of(events, Disconnected)
-            assert "HTTP 404" in ev.reason and "Stepwise server" in ev.reason
+        for url, hint in ((f"http://127.0.0.1:{port}", "is this a Stepwise server?"),
+                          (f"http://127.0.0.1:{port}/v1", "--url is the server's root: drop the /v1")):
+            source = HttpSource(url)
+            events = follow(source, backoff=Backoff(0.05))
+            async with contextlib.aclosing(events):
+                ev = await next_of(events, Disconnected)
+            await source.close()
+            assert "HTTP 404" in ev.reason and hint in ev.reason
     finally:
-        await source.close()
         await runner.cleanup()
 
 

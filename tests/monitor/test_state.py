@@ -79,3 +79,34 @@ def test_status_keeps_the_reason_while_retrying():
     assert m.status.kind == "disconnected" and m.status.reason == "connection refused"
     m.on_connection(Connected("u"))
     assert m.status.kind == "connected" and m.status.reason == ""
+
+
+def test_a_reconnection_starts_a_new_history():
+    """A server restarted under load came back showing the dead one's last step, queues and
+    rate as live: an idle new engine sends no step whose number would reveal the restart."""
+    m = MonitorState()
+    m.on_connection(Connected("u"))
+    for s in range(300, 328):
+        m.add(record(s, [(f"r{i}", "decode", 1, s) for i in range(64)], waiting=56))
+    m.on_state(state(327, [("r0", 10, 10, 5, 64)]))
+    assert m.queues().num_waiting == 56 and m.tokens_per_s() > 0
+    m.on_connection(Disconnected("u", "connection lost", 0.5, 1))
+    assert m.last.step == 327  # while disconnected the last data stays (the status says it is old)
+    m.on_connection(Connecting("u", 1))
+    m.on_connection(Connected("u"))
+    m.on_state(state(0))  # the new engine: idle, no step yet
+    q = m.queues()
+    assert m.last is None and m.tokens_per_s() is None and (q.num_waiting, q.num_running) == (0, 0)
+    assert m.latency().ttft_p50 is None and m.status.kind == "connected"
+
+
+def test_requests_compiling_a_grammar_count_as_waiting():
+    """As /metrics' num_requests_waiting does: intake holds them, no step record counts them."""
+    import msgspec
+
+    m = MonitorState()
+    st = state(3)
+    m.on_state(msgspec.structs.replace(st, snapshot=msgspec.structs.replace(st.snapshot, num_waiting_for_grammar=36)))
+    m.add(record(3, [("a", "decode", 1, 7)], waiting=2))
+    q = m.queues()
+    assert (q.num_waiting, q.num_waiting_for_grammar) == (38, 36)
