@@ -22,6 +22,7 @@ An API key, when the server wants one, goes in `Authorization: Bearer <key>`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -71,7 +72,11 @@ class HttpSource(StepSource):
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
         url = self.url + STEPS_PATH
         try:
-            resp = await self._session.get(url, params=self._query, headers={"Accept": "text/event-stream"})
+            async with asyncio.timeout(self._state_timeout.total):  # the server sends the headers at once
+                resp = await self._session.get(url, params=self._query, headers={"Accept": "text/event-stream"})
+        except TimeoutError:  # a stopped (SIGSTOP) or wedged server still accepts connections
+            raise SourceUnavailable(f"{self.url} took the connection but sent no answer within "
+                                    f"{self._state_timeout.total:g} s (stopped or overloaded?)") from None
         except aiohttp.ClientConnectorError as e:
             raise SourceUnavailable(f"cannot connect to {self.url} ({_os_reason(e)})") from None
         except (aiohttp.ClientError, TimeoutError, OSError) as e:

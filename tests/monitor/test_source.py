@@ -226,6 +226,26 @@ async def test_http_source_404_on_steps_says_so():
         await runner.cleanup()
 
 
+async def test_a_server_that_takes_the_connection_but_never_answers_is_a_disconnect():
+    """A stopped (SIGSTOP) server's kernel still accepts connections: without a limit on the
+    answer, reconnecting waited for ever at "retrying (attempt 1)"."""
+    held: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda _, w: held.append(w), "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    source = HttpSource(f"http://127.0.0.1:{port}", state_timeout_s=0.2)
+    events = follow(source, backoff=Backoff(0.01))
+    try:
+        async with contextlib.aclosing(events):
+            ev = await next_of(events, Disconnected, timeout_s=5)
+            assert "sent no answer within 0.2 s" in ev.reason
+            assert (await next_of(events, Disconnected, timeout_s=5)).attempt == 2  # and it keeps trying
+    finally:
+        await source.close()
+        for w in held:
+            w.close()
+        silent.close()
+
+
 async def test_app_shows_an_unknown_replica_as_refused_without_retrying():
     async def steps(request: web.Request) -> web.Response:
         hits.append(request.query.get("replica"))
