@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import urlsplit
 
 from engine.model.wheel_model import WHEEL_MODELS
 from engine.policies import POLICIES as _REGISTRY  # every policy module registers itself
@@ -122,12 +123,29 @@ class ServerConfig:
     served_model_name: str = ""  # "": the loaded model's name (its directory's or file's, or the built-in's)
     max_body_bytes: int = 1 << 20
     shutdown_grace_ms: int = 5000  # on SIGINT/SIGTERM: how long in-flight generations may run on
+    allowed_origins: str = ""  # browsers' cross-origin calls (CORS): "" none, "*" any, or "https://a.example,http://localhost:3000"
 
     def validate(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
         _require(bool(self.host), "host", "must not be empty")
         _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
         _require(self.shutdown_grace_ms >= 0, "shutdown_grace_ms", "must be >= 0")
+        self.origins()
+
+    def origins(self) -> frozenset[str]:
+        """`allowed_origins` as a set; each entry is "*" or an origin as a browser sends it in
+        its Origin header: scheme://host[:port], no path, not even a trailing slash."""
+        origins = frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
+        for origin in origins - {"*"}:
+            parts = urlsplit(origin)
+            try:
+                parts.port  # noqa: B018 - raises for a port out of range or not a number
+            except ValueError:
+                parts = urlsplit("")
+            _require(parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path and
+                     not parts.query and not parts.fragment, "allowed_origins",
+                     f"has {origin!r}, which is not '*' or an origin (scheme://host[:port], no path or trailing slash)")
+        return origins
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from aiohttp import web
 from engine import Engine
 from frontends.http import chat, completions, models, observe, tokenize
 from frontends.http.auth import api_key_middleware
+from frontends.http.cors import Cors
 from frontends.http.errors import body_limit_middleware, error_middleware
 from frontends.http.feed import StepFeed
 from frontends.http.metrics import Metrics
@@ -45,11 +46,14 @@ def create_app(
     `ClusterEngine`). `views` replaces GET handlers by path (the ingress's /metrics and
     /v1/engine/* read the replicas)."""
     server = engine.config.server
-    middlewares = [error_middleware, body_limit_middleware(server.max_body_bytes)]
+    cors = Cors(server.origins()) if server.allowed_origins.strip() else None
+    middlewares = [error_middleware] + ([cors.preflight] if cors else []) + [body_limit_middleware(server.max_body_bytes)]
     if server.api_key:
         middlewares.append(api_key_middleware(server.api_key, protect_metrics=server.protect_metrics,
                                               protect_health=server.protect_health))
     app = web.Application(client_max_size=server.max_body_bytes, middlewares=middlewares)
+    if cors:
+        app.on_response_prepare.append(cors.add_headers)
     metrics = Metrics(engine, engine.config.served_model_name)
     app[STATE] = ServerState(engine, metrics, StepFeed(engine, metrics), LiveRequests(), new_id, clock)
     app.router.add_post("/v1/completions", completions.create_completion)
