@@ -15,6 +15,9 @@ from __future__ import annotations
 from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
 
 
+MIN_WAIT_S = 1e-6
+
+
 @register
 class StaticPolicy(BasePolicy):
     name = "static"
@@ -39,9 +42,11 @@ class StaticPolicy(BasePolicy):
     def _start_batch(self, view) -> list[Decision] | Idle:
         if not view.waiting:
             return Idle()
-        waited = view.now() - view.waiting[0].arrival_time
-        if sum(r.num_seqs for r in view.waiting) < self.max_num_seqs and waited < self.timeout_s:
-            return Idle(self.timeout_s - waited)
+        left = view.waiting[0].arrival_time + self.timeout_s - view.now()
+        # a wait under a microsecond is over: on the simulator's float clock, arrival + timeout
+        # minus the arrival can stay ulps short of the timeout, and such an Idle moves no clock
+        if sum(r.num_seqs for r in view.waiting) < self.max_num_seqs and left > MIN_WAIT_S:
+            return Idle(left)
         decisions: list[Decision] = []
         admit_waiting(view, decisions, self.max_num_seqs)
         self.batch = [d.request for d in decisions]

@@ -129,3 +129,13 @@ def test_replicas_are_independent_engines():
     assert [t.ttft for t in pair.timings[1::2]] == pytest.approx([t.ttft for t in single.timings])
     assert pair.tally.num_steps == 2 * single.tally.num_steps
     assert math.isclose(pair.duration_s, single.duration_s)
+
+
+@pytest.mark.parametrize("arrival", [5.0, 0.136, 1.0])
+def test_static_batch_timeout_ends_on_the_virtual_clock(arrival):
+    """(5.0 + 0.05) - 5.0 is 0.04999999999999982: the static policy waited for ever on an Idle
+    of 2e-16 s, which moves no clock (engine-sim hung at 100 % CPU)."""
+    trace = [TraceRequest(arrival_s=arrival, prompt_tokens=10, output_tokens=5)]
+    res = simulate(trace, config(policy="static", batch_timeout_ms=50, max_num_seqs=8), CAL)
+    t = res.timings[0]
+    assert t.ok and t.num_output_tokens == 5 and t.first_token >= arrival + 0.05
