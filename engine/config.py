@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 from engine.model.wheel_model import WHEEL_MODELS
 from engine.policies import POLICIES as _REGISTRY  # every policy module registers itself
 
+DEFAULT_CONFIG = "config.toml"
+
 POLICIES = tuple(_REGISTRY)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -214,7 +216,7 @@ class EngineConfig:
             section.validate()
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = "config.toml", **overrides: Any) -> EngineConfig:
+    def load(cls, path: str | os.PathLike | None = DEFAULT_CONFIG, **overrides: Any) -> EngineConfig:
         """Read `path` (None = built-in defaults), then apply flat keyword overrides."""
         raw: dict[str, Any] = {}
         if path is not None:
@@ -232,6 +234,9 @@ class EngineConfig:
             raise ValueError(f"unknown config section(s): {sorted(unknown)}; expected {list(SECTIONS)}")
         sections = {}
         for name, section_cls in SECTIONS.items():
+            if not isinstance(raw.get(name, {}), dict):  # `model = "x"` at the top, `[[scheduler]]`
+                raise ValueError(f"config section [{name}] must be a table of keys, got {type(raw[name]).__name__} "
+                                 f"{raw[name]!r} (a key goes under its section's [header])")
             values = dict(raw.get(name, {}))
             known = {f.name for f in fields(section_cls)}
             bad = set(values) - known
@@ -292,6 +297,14 @@ def parse_value(key: str, text: str) -> Any:
         return typ(text)
     except ValueError:
         raise ValueError(f"config key {key!r}: bad value {text!r}") from None
+
+
+def config_path(given: str | None) -> str | None:
+    """The config file a command reads: `--config PATH` as given (a missing one is an error when
+    it is opened), else ./config.toml when there is one, else None (the built-in defaults)."""
+    if given is not None:
+        return given
+    return DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:

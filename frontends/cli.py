@@ -24,14 +24,10 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from engine import Engine, EngineConfig
-from engine.config import all_keys
+from engine.config import DEFAULT_CONFIG, all_keys, config_path
 from frontends.http import HttpFrontend
-
-DEFAULT_CONFIG = "config.toml"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine-serve", description="Serve Stepwise over an OpenAI-compatible HTTP API.")
@@ -49,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config(args: argparse.Namespace) -> EngineConfig:
-    path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists() else None)
+    path = config_path(args.config)
     overrides = {k: v for k, v in vars(args).items() if k in all_keys() and v is not None}
     return EngineConfig.load(path, **overrides)
 

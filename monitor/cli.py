@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from engine.config import POLICIES
 
@@ -38,10 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_source(args: argparse.Namespace, *, loaded=None):
     if args.demo:
-        from engine.config import EngineConfig
+        from engine.config import EngineConfig, config_path
         from monitor.demo import EngineSource, LoadSettings
 
-        path = args.config or ("config.toml" if Path("config.toml").is_file() else None)
+        path = config_path(args.config)
         overrides = {k: v for k, v in (("policy", args.policy), ("model", args.model)) if v}
         config = EngineConfig.load(path, **overrides)
         load = LoadSettings(chat_rate_per_s=args.chat_rate, long_every_s=args.long_every,
