@@ -25,11 +25,12 @@ import os
 import sys
 from pathlib import Path
 
+import aiohttp
 from tqdm import tqdm
 
 from engine.bench import limit, llama_server, peers, report, workload
-from engine.bench.runner import run_in_process, run_remote
-from engine.config import EngineConfig, parse_sweep, parse_value
+from engine.bench.runner import RemoteError, run_in_process, run_remote
+from engine.config import EngineConfig, config_path, parse_sweep, parse_value
 from engine.cpu import RESTRICT_ENV, cpu_info
 from engine.engine import DTYPES, Engine
 from engine.model.loader import load_model
@@ -39,19 +40,21 @@ from engine.torch_thread import in_passing_thread
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="engine-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="mixed", choices=sorted(workload.WORKLOADS))
-    p.add_argument("--policies", default="static,continuous,chunked")
+    p.add_argument("--policies", help=f"comma-separated, in-process (default {DEFAULT_POLICIES})")
     p.add_argument("--url", help="benchmark a running OpenAI-compatible server instead")
     p.add_argument("--model", help="model name (remote) or model spec (in-process)")
     p.add_argument("--api-key", default="")
-    p.add_argument("--config", default="config.toml")
+    p.add_argument("--config", help="in-process: TOML config (default ./config.toml if present)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-requests", type=int, help="default 64 (spike: 12 streams + 2 long prompts)")
-    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0 = all at once (not spike)")
+    p.add_argument("--num-requests", type=int, help="default: mixed and sharegpt-like 64, shared-prefix 256, single 1; "
+                                                    "spike / spike-overlap: N - 2 streams + 2 long prompts (default 12 + 2)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals per second; 0 (default) = all at once; "
+                                              "not with spike / spike-overlap (they time their own arrivals)")
     p.add_argument("--vocab-size", type=int,
                    help="prompt token ids are drawn below this (default: the tokenizer's size in-process, 20000 remote)")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-itl-ms", type=float)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="in-process: engine config override")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run the first policy once per value")
     p.add_argument("--peer", metavar="NAME[,NAME]",
                    help=f"in-process: also run {' / '.join((*peers.PEERS, llama_server.NAME))}")
@@ -65,6 +68,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
+
+
+DEFAULT_POLICIES = "static,continuous,chunked"
+SPIKES = ("spike", "spike-overlap")
+# the model is loaded once for every run: a sweep of what the load depends on would label one
+# model's figures with another's name
+LOAD_KEYS = ("model", "dtype", "cache_dir")
+
+
+def _check(args) -> None:
+    """Flags that cannot mean anything, refused before a model loads or a request is sent."""
+    if args.num_requests is not None and args.num_requests < 1:
+        raise SystemExit(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate >= 0):
+        raise SystemExit(f"--rate must be a finite number >= 0, got {args.rate}")
+    if args.rate and args.workload in SPIKES:
+        raise SystemExit(f"--rate: the {args.workload} workload times its own arrivals")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        raise SystemExit(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.url:
+        local = [flag for flag, given in (("--set", args.set), ("--config", args.config), ("--policies", args.policies),
+                                          ("--sweep", args.sweep)) if given]
+        if local:
+            raise SystemExit(f"{', '.join(local)}: the server at --url runs its own config; in-process only")
+    policies = _policies(args)
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise SystemExit(f"--policies: {', '.join(twice)} given more than once (a run is named by its policy)")
+    if args.sweep and _sweep(args.sweep)[0] in LOAD_KEYS:
+        raise SystemExit(f"--sweep {_sweep(args.sweep)[0]}: the model is loaded once for every run; "
+                         f"sweeping {'/'.join(LOAD_KEYS)} needs one engine-bench run per value")
+
+
+def _policies(args) -> list[str]:
+    return (args.policies or DEFAULT_POLICIES).split(",")
+
+
+def _base_config(args) -> EngineConfig:
+    try:
+        base = EngineConfig.load(config_path(args.config), **_overrides(args.set))
+        return base.with_overrides(model=args.model) if args.model else base
+    except OSError as e:
+        raise SystemExit(f"--config {args.config}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _per_target(path: str, name: str, num_targets: int) -> Path:
@@ -148,6 +196,7 @@ async def _bench(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, runs = {}, {}
+    _check(args)
     vocab_size = args.vocab_size or 20000
     peer_names = _peers(args)
     if args.save_steps and (args.url or peer_names):
@@ -155,20 +204,21 @@ async def _bench(args) -> dict:
     if args.url and args.compute_limit:
         raise SystemExit("--compute-limit measures the loaded model: in-process only, not with --url")
     if args.url:
-        if args.sweep:
-            raise SystemExit("--sweep changes engine config: in-process only, not with --url")
         targets = [(args.url, {})]
     else:
         sweep = _sweep(args.sweep) if args.sweep else None  # checked before the model loads
-        base = EngineConfig.load(args.config if Path(args.config).exists() else None, **_overrides(args.set))
-        if args.model:
-            base = base.with_overrides(model=args.model)
-        policies = args.policies.split(",")
+        base = _base_config(args)
+        policies = _policies(args)
         try:  # a misspelt policy fails here, not after the model has loaded
             for policy in policies:
                 base.with_overrides(policy=policy)
         except ValueError as e:
             raise SystemExit(f"--policies: {e}") from None
+        for value in sweep[1] if sweep else ():  # ... and so does a sweep's bad value, not after the first runs
+            try:
+                base.with_overrides(policy=policies[0], **{sweep[0]: _coerce(sweep[0], value)})
+            except ValueError as e:
+                raise SystemExit(f"--sweep {sweep[0]}={value}: {e}") from None
         # loaded on a thread that then exits, as the peers run: only each engine's own thread keeps
         # torch's OpenMP pool alive while it runs (engine/torch_thread.py)
         loaded = await in_passing_thread(load_model, base.model.model, base.model.resolved_cache_dir(),
@@ -183,12 +233,15 @@ async def _bench(args) -> dict:
             targets = [(p, {"policy": p}) for p in policies]
         settings = peers.PeerSettings.from_engine(base, args.peer_batch_size)
         targets += [(name, None) for name in peer_names]  # None: a transformers peer, not an engine config
-    requests = workload.make(args.workload, args.seed, args.num_requests, args.rate, vocab_size)
+    requests = workload.make(args.workload, args.seed, args.num_requests, args.rate or 0.0, vocab_size)
     load_before = os.getloadavg()[0]
     for name, overrides in targets:
         bar = tqdm(total=len(requests), desc=name, unit="req", file=sys.stderr)
         if args.url:
-            timings, duration = await run_remote(args.url, args.model, requests, args.api_key, lambda: bar.update())
+            try:
+                timings, duration = await run_remote(args.url, args.model, requests, args.api_key, lambda: bar.update())
+            except (RemoteError, aiohttp.ClientError, OSError) as e:
+                raise SystemExit(f"--url {args.url}: {e}") from None
             steps, start = None, min(t.arrival for t in timings)
         elif name == llama_server.NAME:
             threads = base.model.num_threads or _torch_threads()
@@ -224,7 +277,7 @@ async def _bench(args) -> dict:
         if args.sweep:
             key, values = _sweep(args.sweep)
             plots.append(report.plot_sweep(key, [_coerce(key, v) for v in values], list(results.values()), out_dir,
-                                           policy=args.policies.split(",")[0]))
+                                           policy=_policies(args)[0]))
         else:
             budget = None
             plots += report.plot(runs, out_dir, budget)
@@ -290,6 +343,9 @@ def main(argv=None) -> None:
         if key in summary:
             print(f"\n{key}: {json.dumps(summary[key], indent=None)}")
     print(f"\nwrote {args.out}/results.json" + (f" and {len(summary['plots'])} plot(s)" if summary["plots"] else ""))
+    dead = [name for name, r in summary["results"].items() if r["num_failed"] and r["num_failed"] == r["num_requests"]]
+    if dead:  # its figures are zeros, not a measurement
+        raise SystemExit(f"every request of {', '.join(dead)} failed (see above)")
 
 
 if __name__ == "__main__":

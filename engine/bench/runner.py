@@ -102,6 +102,10 @@ async def run_in_process(
     return timings, duration, steps
 
 
+class RemoteError(Exception):
+    """The server under test refused the run itself (not one request): a wrong key, a wrong URL."""
+
+
 async def run_remote(
     url: str, model: str | None, requests: list[BenchRequest], api_key: str = "",
     on_done: Callable[[], None] = lambda: None,
@@ -114,7 +118,7 @@ async def run_remote(
         if model is None:
             async with session.get(f"{url}/v1/models") as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"GET {url}/v1/models: HTTP {resp.status}: {await resp.text()}")
+                    raise RemoteError(f"GET {url}/v1/models: HTTP {resp.status}: {(await resp.text()).strip()[:300]}")
                 model = (await resp.json())["data"][0]["id"]
 
         async def one(r: BenchRequest, timing: RequestTiming) -> None:
