@@ -36,7 +36,7 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model
 from engine.output_buffer import OutputBuffer
 from engine.policies import make_policy
-from engine.request import MAX_N, SamplingParams
+from engine.request import CHOICE_SEPARATOR, MAX_N, SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_cost import CostFigures, StepCostModel
 from engine.step_cost_calibration import calibrate
@@ -155,6 +155,7 @@ class Engine:
             self.dead = self.scheduler.dead or f"{task.get_name()} stopped"
         self.ready = False
         self._fail_live(self.dead)
+        self._subscribers.close()  # no step will come: steps() watchers end (with `dead` saying why)
 
     def _fail_live(self, reason: str) -> None:
         """End every stream still open with an error (a dead actor will never answer them);
@@ -221,6 +222,9 @@ class Engine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise RequestError(f"request_id must be a non-empty string (or None for a generated one), got "
                                f"{request_id!r}", "request_id")
+        if request_id is not None and CHOICE_SEPARATOR in request_id:
+            raise RequestError(f"request_id {request_id!r} contains {CHOICE_SEPARATOR!r}, which is reserved: choice i "
+                               f"of an n > 1 request runs as ID{CHOICE_SEPARATOR}i", "request_id")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use by a live request", "request_id")
@@ -317,7 +321,9 @@ class Engine:
         self._subscribers.publish(record)  # a slow subscriber loses its oldest record, never blocks the engine
 
     async def steps(self) -> AsyncIterator[StepRecord]:
-        """Every StepRecord from now on, until the engine stops."""
+        """Every StepRecord from now on, until the engine stops or dies (`dead` says why); at
+        once for an engine that already has."""
+        self._require_loop()
         with self._subscribers.subscribe() as records:
             async for record in records:
                 yield record

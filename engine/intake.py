@@ -21,7 +21,7 @@ from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from engine.messages import AbortRequest, IntakeMsg, Shutdown, Submit
-from engine.request import Request, choice_seed
+from engine.request import CHOICE_SEPARATOR, Request, choice_seed
 from engine.structured.compiler import GrammarCache
 
 
@@ -159,7 +159,7 @@ class Intake:
                 self.num_compiling -= 1
 
         def choice(index: int) -> Request:  # n > 1: each choice its own stream, seed and grammar state
-            request_id = msg.request_id if index == 0 else f"{msg.request_id}#{index}"
+            request_id = msg.request_id if index == 0 else f"{msg.request_id}{CHOICE_SEPARATOR}{index}"
             detok = Detokenizer(self.tokenizer, ids, list(msg.params.stop), msg.params.min_tokens,
                                 msg.params.include_stop_str_in_output)
             grammar = self.grammars.matcher(compiled) if compiled is not None else None

@@ -15,6 +15,7 @@ from engine.output_buffer import OutputBuffer
 from engine.structured.spec import StructuredOutput
 
 MAX_N = 16  # choices per request (SamplingParams.n); intake also bounds it by max_num_seqs
+CHOICE_SEPARATOR = "#"  # choice i > 0 of request ID runs as ID#i: callers' ids may not contain it
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

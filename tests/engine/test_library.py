@@ -72,6 +72,18 @@ async def test_a_request_id_must_be_a_non_empty_string(request_id):
         assert refused.value.param == "request_id"
 
 
+async def test_a_request_id_may_not_contain_the_choice_separator():
+    """Choice i of an n > 1 request runs as ID#i: a caller's "a#1" collided with request "a"'s
+    second choice, and whichever came second ended with an error instead of being refused."""
+    async with Engine(tiny_config(num_threads=1)) as engine:
+        with pytest.raises(RequestError, match=r"contains '#', which is reserved: choice i of an n > 1") as refused:
+            await engine.submit([1, 2], greedy(2), request_id="a#1")
+        assert refused.value.param == "request_id"
+        rid = await engine.submit([1, 2], SamplingParams(n=2, max_tokens=2, temperature=0.0), request_id="a")
+        finals = [out async for out in engine.stream(rid) if out.finished]
+        assert sorted(f.index for f in finals) == [0, 1] and {f.finish_reason for f in finals} == {"length"}
+
+
 async def test_a_second_reader_of_one_request_is_refused_not_left_waiting():
     async with Engine(tiny_config(num_threads=1)) as engine:
         rid = await engine.submit([1, 2, 3], greedy(30))
@@ -113,7 +125,8 @@ def test_an_engine_is_used_from_the_loop_it_was_started_on():
     asyncio.run(engine.start())  # this loop ends: its actors are cancelled with it
 
     async def later() -> None:
-        for call in (engine.submit([3, 4], greedy(2)), engine.abort("req-x"), anext(engine.stream("req-x"))):
+        for call in (engine.submit([3, 4], greedy(2)), engine.abort("req-x"), anext(engine.stream("req-x")),
+                     anext(engine.steps())):  # steps() waited silently for ever
             with pytest.raises(RuntimeError, match="started on another event loop"):
                 await call
         await engine.stop()  # nothing left to stop: no error

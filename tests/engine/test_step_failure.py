@@ -75,6 +75,7 @@ async def test_three_consecutive_failures_kill_the_engine(tiny_model):
 
     async with asyncio.timeout(30):
         async with Engine(tiny_config(policy="chunked"), loaded=tiny_model, fault_hook=always) as engine:
+            watcher = asyncio.create_task(_count(engine.steps()))  # a step watcher ends when the engine dies
             outcomes = []
             # Keep submitting the moment the previous request ends, as a busy client would:
             # every submission must either be refused or end (with "error"), never hang.
@@ -90,11 +91,17 @@ async def test_three_consecutive_failures_kill_the_engine(tiny_model):
             while not engine.dead:  # bounded by the timeout above
                 await asyncio.sleep(0.005)
             assert "3 steps in a row" in engine.dead
+            assert await asyncio.wait_for(watcher, 5) >= 3  # it used to wait until stop()
+            assert await asyncio.wait_for(_count(engine.steps()), 5) == 0  # a new one ends at once
             with pytest.raises(EngineDeadError):
                 await engine.submit([1, 2, 3], greedy(2))
             with pytest.raises(EngineDeadError):
                 async for _ in engine.generate([1, 2, 3], greedy(2)):
                     pass
+
+
+async def _count(records) -> int:
+    return len([r async for r in records])
 
 
 async def test_concurrent_requests_when_the_engine_dies_all_end(tiny_model):
