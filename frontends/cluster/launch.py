@@ -104,15 +104,28 @@ class Replicas:
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A `host:port` (or `ray://host:port`) where nothing listens is refused at once."""
+    """A `host:port` (or `ray://host:port`) where nothing listens is refused at once; so is
+    "auto" when the address Ray finds for it (RAY_ADDRESS, else the last cluster started on
+    this node, which may be long gone) does not answer, or when it finds none."""
+    where = repr(address)
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            resolved = canonicalize_bootstrap_address("auto")
+        except ConnectionError as e:
+            raise ConnectionError(f"--ray-address auto: {e}") from None
+        if resolved is None:
+            return
+        where, address = f"'auto' ({resolved}: from RAY_ADDRESS or the node's last `ray start`)", resolved
     hostport = address.split("://", 1)[-1]
-    if address == "auto" or ":" not in hostport:
+    if ":" not in hostport:
         return
     host, _, port = hostport.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:
-        raise ConnectionError(f"could not join the Ray cluster at {address!r} ([cluster] ray_address): nothing "
+        raise ConnectionError(f"could not join the Ray cluster at {where} ([cluster] ray_address): nothing "
                               f"answers there ({e}); is `ray start --head` running on it?") from None
 
 

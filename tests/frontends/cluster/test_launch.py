@@ -26,7 +26,24 @@ def test_an_address_where_nothing_answers_is_refused_at_once():
             with pytest.raises(ConnectionError, match="nothing answers there"):
                 launch._check_reachable(address)
     assert time.monotonic() - start < 10
-    launch._check_reachable("auto")  # found by Ray itself on a node of the cluster
+
+
+def test_auto_is_checked_where_ray_finds_it(tmp_path, monkeypatch):
+    """A stale record of the node's last cluster sent "auto" to an address that never answered:
+    engine-serve logged GCS timeouts every 30 s for ever, deaf to SIGINT and SIGTERM."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    with pytest.raises(ConnectionError, match="Could not find any running Ray instance"):
+        launch._check_reachable("auto")  # no cluster ever started here
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))  # Ray resolves 127.0.0.1 to the node's own address
+        port = s.getsockname()[1]
+        (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+        with pytest.raises(ConnectionError, match=rf"at 'auto' \([0-9.]+:{port}: .*nothing answers there"):
+            launch._check_reachable("auto")
+        s.listen()
+        launch._check_reachable("auto")  # a cluster that answers
 
 
 def test_resources_the_cluster_lacks_are_refused_on_a_local_ray_and_warned_of_on_a_shared_one(monkeypatch, capsys):
