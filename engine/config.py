@@ -132,6 +132,8 @@ class ServerConfig:
         _require(bool(self.host), "host", "must not be empty")
         _require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
         _require(self.shutdown_grace_ms >= 0, "shutdown_grace_ms", "must be >= 0")
+        for key in ("protect_metrics", "protect_health"):  # with no key there is nothing to protect with
+            _require(bool(self.api_key) or not getattr(self, key), key, "needs an api_key (it would protect nothing)")
         self.origins()
 
     def origins(self) -> frozenset[str]:

@@ -75,6 +75,8 @@ def test_keyword_overrides():
         ({"priority_aging_s": float("inf")}, "'priority_aging_s' must be a finite number"),
         ({"replicas": 1, "balance_rel_threshold": float("inf")}, "'balance_rel_threshold' must be a finite"),
         ({"replicas": 1, "replica_cpus": float("nan")}, "'replica_cpus' must be a finite"),
+        ({"protect_metrics": True}, "'protect_metrics' needs an api_key"),
+        ({"protect_health": True}, "'protect_health' needs an api_key"),
     ],
 )
 def test_bad_keyword_override_names_the_key(overrides, key):
@@ -101,6 +103,9 @@ def write_config(tmp_path: Path, text: str) -> Path:
         ("[cache]\nenable_prefix_caching = 1\n", ["enable_prefix_caching"]),
         ("[cache]\nblock_sise = 16\n", ["block_sise", "cache"]),
         ("[schedular]\npolicy = \"static\"\n", ["schedular"]),
+        ('model = "tiny-random"\n', ["[model] must be a table", "str 'tiny-random'"]),
+        ("[[scheduler]]\nmax_num_seqs = 4\n", ["[scheduler] must be a table", "list"]),
+        ("scheduler = 5\n", ["[scheduler] must be a table", "int 5"]),
     ],
     ids=[
         "policy-fast",
@@ -113,6 +118,9 @@ def write_config(tmp_path: Path, text: str) -> Path:
         "bool-as-int",
         "unknown-key",
         "unknown-section",
+        "flat-key-at-the-top",
+        "array-of-tables",
+        "section-as-a-number",
     ],
 )
 def test_bad_values_in_file_name_the_key(tmp_path, text, names):

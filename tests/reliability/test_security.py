@@ -34,7 +34,8 @@ def test_loopback_is_the_default_everywhere(monkeypatch):
     for flag in ("--protect-metrics", "--no-protect-metrics", "--protect-health", "--shutdown-grace-ms"):
         assert flag in help_text
     assert all_keys()["protect_metrics"] == ("server", bool)
-    args = build_parser().parse_args(["--protect-metrics", "--no-protect-health", "--shutdown-grace-ms", "2500"])
+    args = build_parser().parse_args(["--protect-metrics", "--no-protect-health", "--shutdown-grace-ms", "2500",
+                                      "--api-key", "k"])
     server = load_config(args).server
     assert server.protect_metrics is True and server.protect_health is False and server.shutdown_grace_ms == 2500
     with pytest.raises(ValueError, match="shutdown_grace_ms"):
@@ -113,10 +114,9 @@ async def test_metrics_and_health_protection_is_configurable(tiny_model, protect
                 assert resp.status == 401  # /v1/* always needs the key
 
 
-async def test_without_a_key_protection_flags_change_nothing(tiny_model):
-    config = tiny_config(protect_metrics=True, protect_health=True)
-    async with live_server(tiny_model, config) as (_, frontend):
-        async with aiohttp.ClientSession(frontend.url) as http:
-            for path in ("/metrics", "/health", "/v1/models"):
-                async with http.get(path) as resp:
-                    assert resp.status == 200
+def test_protection_flags_without_a_key_are_refused():
+    """They protect nothing without an api_key: accepted, they were silently ignored."""
+    for key in ("protect_metrics", "protect_health"):
+        with pytest.raises(ValueError, match=f"'{key}' needs an api_key"):
+            tiny_config(**{key: True})
+    tiny_config(protect_metrics=True, protect_health=True, api_key="k")  # with one they do
