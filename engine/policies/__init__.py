@@ -14,7 +14,10 @@ for _module in pkgutil.iter_modules(__path__):
 def make_policy(name: str, config) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
-    return POLICIES[name](config)
+    policy = POLICIES[name](config)
+    if not config.cache.enable_prefix_caching:
+        policy.uses_prefix_cache = False  # a pool without a cache: admissions look nothing up
+    return policy
 
 
 __all__ = ["POLICIES", "Decision", "Idle", "Policy", "make_policy"]

@@ -94,3 +94,20 @@ async def test_static_policy_does_not_use_the_prefix_cache(tiny_model, uncached)
         assert second.final.num_cached_tokens == 0
         assert (first.token_ids, second.token_ids) == uncached
         await assert_drained(engine)
+
+
+@pytest.mark.parametrize(("policy", "caching", "looked_up"), [("chunked", True, True), ("chunked", False, False),
+                                                              ("static", True, False)])
+async def test_prefix_queries_count_only_where_the_cache_is_looked_up(tiny_model, uncached, policy, caching, looked_up):
+    """With the cache off, steps reported their admissions' tokens as looked up (0 % hits on
+    vllm:prefix_cache_queries_total where vLLM records no queries)."""
+    cfg = tiny_config(policy=policy, block_size=BLOCK, enable_prefix_caching=caching)
+    async with Engine(cfg, loaded=tiny_model) as engine:
+        recorder = await StepRecorder(engine).start()
+        await run_request(engine, FIRST, greedy(N))
+        second = await run_request(engine, SECOND, greedy(N))
+        records = await recorder.caught_up()
+        recorder.stop()
+    queried = sum(r.num_prefix_queries for r in records)
+    assert queried == (len(FIRST) + len(SECOND) if looked_up else 0)
+    assert (second.final.num_cached_tokens > 0) == looked_up
