@@ -198,5 +198,13 @@ def _fit_overhead(steps: list[StepRecord], shapes: list[StepShape]) -> dict[str,
 def load_steps(path: str | Path) -> list[StepRecord]:
     """A StepRecord JSONL (`engine-bench --save-steps`)."""
     dec = msgspec.json.Decoder(StepRecord)
+    out = []
     with open(path, "rb") as f:
-        return [dec.decode(line) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(dec.decode(line))
+            except msgspec.DecodeError as e:
+                raise ValueError(f"line {i}: {e}") from None
+    return out

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
-from engine.config import EngineConfig, ModelConfig, ServerConfig, parse_sweep, parse_value
+from engine.config import (ClusterConfig, EngineConfig, ModelConfig, ServerConfig, config_path, parse_sweep,
+                           parse_value)
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -37,7 +38,36 @@ CALIBRATED_KEYS = (*(f.name for f in dataclasses.fields(ModelConfig)), "kv_cache
 # Keys of what a simulation does not run: the HTTP server, and Ray's processes and probes (refused).
 UNSIMULATED_KEYS = (*(f.name for f in dataclasses.fields(ServerConfig)), "ray_address", "ray_num_cpus", "replica_cpus",
                     "replica_gpus", "health_check_ms")
+# Cluster keys only the prefix-affinity router reads (refused when no run routes by prefix).
+PREFIX_ROUTER_KEYS = ("balance_abs_threshold", "balance_rel_threshold", "max_prefix_entries", "prefix_min_share")
+CLUSTER_KEYS = tuple(f.name for f in dataclasses.fields(ClusterConfig))
+SIM_ROUTER = {v: k for k, v in ROUTERS.items()}  # [cluster] router's name -> --router's
 MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
+MAX_REQUESTS = 10_000_000  # a trace is built in memory before the run: more is a typo, not a plan
+
+
+def _number(kind: type, low: float, strict: bool = False, high: float = math.inf):
+    """An argparse type: a finite `kind` >= low (> low when strict) and <= high. Anything else is
+    the flag's own error (argparse names it), never a traceback nor a value that means something else."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{'an integer' if kind is int else 'a number'} expected, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:,}, got {text}")
+        return value
+    return parse
+
+
+_count = _number(int, 1)
+_num_requests_arg = _number(int, 1, high=MAX_REQUESTS)
+_positive = _number(float, 0, strict=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,24 +79,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--trace", help="trace JSONL (engine-bench --save-trace writes one)")
     src.add_argument("--workload", choices=sorted(workload.WORKLOADS), help="a bench workload (default sharegpt-like)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--num-requests", type=int, help="workload size (the bench's default 64 if neither this nor --duration-s)")
-    r.add_argument("--rate", type=float, default=0.0, help="arrivals per second; 0 = all at once")
-    r.add_argument("--arrival", choices=traces.ARRIVALS, default="poisson")
-    r.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation of the gaps")
-    r.add_argument("--duration-s", type=float, help="with --rate: as many requests as arrive in this long")
-    r.add_argument("--config", default="config.toml")
+    r.add_argument("--num-requests", type=_num_requests_arg,
+                   help="workload size (the bench's default 64 if neither this nor --duration-s)")
+    r.add_argument("--rate", type=_number(float, 0), help="arrivals per second; 0 = all at once (the default)")
+    r.add_argument("--arrival", choices=traces.ARRIVALS, help="the arrival process (default poisson)")
+    r.add_argument("--cv", type=_positive, help="--arrival gamma: coefficient of variation of the gaps (default 1)")
+    r.add_argument("--duration-s", type=_positive, help="with --rate: as many requests as arrive in this long")
+    r.add_argument("--config", help="the config file (default ./config.toml when there is one, else the built-in "
+                                    "defaults)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override")
     r.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="draw each step's forward time around its prediction from the calibration's "
                         "actual/predicted ratios (seeded by --seed); --no-step-noise: exactly the prediction")
-    r.add_argument("--replicas", type=int, default=1)
-    r.add_argument("--router", choices=sorted(ROUTERS), default="round-robin")
+    r.add_argument("--replicas", type=_count,
+                   help="simulated engine replicas (default: the config's [cluster] replicas, where 0, engine-serve's "
+                        "one engine in its own process, is 1)")
+    r.add_argument("--router", choices=sorted(ROUTERS),
+                   help="(default: the config's [cluster] router, where \"prefix\" is prefix-affinity)")
     r.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one run per value of a config key, replicas or router")
-    r.add_argument("--slo-ttft-ms", type=float)
-    r.add_argument("--slo-itl-ms", type=float)
+    r.add_argument("--slo-ttft-ms", type=_positive)
+    r.add_argument("--slo-itl-ms", type=_positive)
     r.add_argument("--goodput", action="store_true",
                    help=f"find the highest rate at which >= {goodput.TARGET * 100:.0f}%% of requests meet both SLOs (bisection)")
-    r.add_argument("--goodput-start", type=float, default=1.0,
+    r.add_argument("--goodput-start", type=_positive, default=1.0,
                    help="the first rate the goodput search tries (and, without --rate, the base run's rate)")
     r.add_argument("--save-steps", metavar="PATH", help="write replica 0's StepRecords as JSONL (one run, not a sweep)")
     r.add_argument("--out", default="sim-out")
@@ -75,13 +110,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--steps", action="append", default=[], metavar="PATH", help="StepRecord JSONL (engine-bench --save-steps)")
     c.add_argument("--run", action="store_true", help="make a short real run of --workload on the configured model (needs torch)")
     c.add_argument("--workload", default="mixed", choices=sorted(workload.WORKLOADS), help="--run: the workload")
-    c.add_argument("--num-requests", type=int, help="--run: the workload size")
-    c.add_argument("--config", default="config.toml")
+    c.add_argument("--num-requests", type=_num_requests_arg, help="--run: the workload size")
+    c.add_argument("--config", help="the config file (default ./config.toml when there is one, else the built-in "
+                                    "defaults)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override (--run)")
-    c.add_argument("--model", help="the model name to record (default: the config's)")
+    c.add_argument("--model", help="the model name to record; needed with --steps alone, as a steps file does not "
+                                   "say which model ran it (--set model=NAME does too); --run: default the run's model")
     c.add_argument("--dtype", help="the dtype to record (default: the config's)")
-    c.add_argument("--max-model-len", type=int, help="the model's context (--run: read from the model)")
-    c.add_argument("--split-rows", type=int,
+    c.add_argument("--max-model-len", type=_count, help="the model's context (--run: read from the model)")
+    c.add_argument("--split-rows", type=_number(int, 0),
                    help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
                         "the dense weights on this CPU: engine.cpu.NATIVE_MAX_ROWS, 8 on the AVX-512 path, 64 on "
                         "AVX2, 16 portable or under gguf-q8); 0 = one model")
@@ -110,19 +147,36 @@ def _coerce(key: str, value: str):
         raise SystemExit(str(e)) from None
 
 
-def _base_config(args) -> EngineConfig:
+def _overrides(args) -> dict:
+    """--set KEY=VALUE as config overrides, refusing the keys that would change nothing."""
     overrides = {}
     for item in args.set:
         key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"--set wants KEY=VALUE, got {item!r}")
+        if args.command == "calibrate" and key in CLUSTER_KEYS:
+            raise SystemExit(f"--set {key}: calibrate runs one engine in this process, so {key} would change nothing")
         if key in SIM_KEYS:
             raise SystemExit(f"--set {key}: use --{key}")
         _refuse_unsimulated("--set", key, args.command)
         overrides[key] = _coerce(key, value)
-    overrides["replicas"] = getattr(args, "replicas", 0)  # run: the simulated cluster's, so its [cluster] keys apply
+    return overrides
+
+
+def _base_config(args, overrides: dict) -> EngineConfig:
+    path = config_path(args.config)  # as given (a missing one is an error), else ./config.toml if there is one
     try:
-        return EngineConfig.load(args.config if Path(args.config).exists() else None, **overrides)
+        config = EngineConfig.load(path)
+        if args.command == "run":
+            # The simulated cluster: --replicas / --router, else the config's [cluster] keys, so that
+            # results.json's config is what ran. Its replicas = 0 (engine-serve: one engine in its own
+            # process) is one replica here.
+            overrides["replicas"] = max(1, config.cluster.replicas) if args.replicas is None else args.replicas
+            if args.router is not None:
+                overrides["router"] = ROUTERS[args.router]
+        return config.with_overrides(**overrides)
+    except OSError as e:
+        raise SystemExit(f"--config {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -137,9 +191,12 @@ def _refuse_unsimulated(flag: str, key: str, command: str) -> None:
 
 
 def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str]]:
-    """(name, config, replicas, router) per run."""
+    """(name, config, replicas, router) per run: replicas and router are the config's [cluster] keys."""
+    def target(name: str, config: EngineConfig):
+        return name, config, config.cluster.replicas, SIM_ROUTER[config.cluster.router]
+
     if not args.sweep:
-        return [(base.scheduler.policy, base, args.replicas, args.router)]
+        return [target(base.scheduler.policy, base)]
     try:
         key, values = parse_sweep(args.sweep)
     except ValueError as e:
@@ -148,49 +205,83 @@ def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str
     out = []
     for raw in values:
         v = _coerce(key, raw)
-        replicas, router, config = args.replicas, args.router, base
-        if key == "replicas":
-            replicas = v
-        elif key == "router":
-            router = v
-        else:
-            try:
-                config = base.with_overrides(**{key: v})
-            except ValueError as e:
-                raise SystemExit(str(e)) from None
-        out.append((f"{key}={raw}", config, replicas, router))
+        try:
+            config = base.with_overrides(**{key: ROUTERS[v] if key == "router" else v})
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        out.append(target(f"{key}={raw}", config))
     return out
+
+
+def _refuse_unrouted(args, targets) -> None:
+    """A prefix-router key set or swept when no run routes by prefix would change nothing."""
+    routers = sorted({router for *_, router in targets})
+    if "prefix-affinity" in routers:
+        return
+    given = [("--set", item.partition("=")[0]) for item in args.set]
+    if args.sweep:
+        given.append(("--sweep", args.sweep.partition("=")[0]))
+    for flag, key in given:
+        if key in PREFIX_ROUTER_KEYS:
+            raise SystemExit(f"{flag} {key}: only the prefix-affinity router reads it, and the router here is "
+                             f"{' and '.join(routers)} (--router prefix-affinity, or [cluster] router = \"prefix\")")
 
 
 # --- the trace ----------------------------------------------------------------------------------
 
 def _num_requests(args, rate: float) -> int | None:
-    if args.duration_s is not None:
-        if rate <= 0:
-            raise SystemExit("--duration-s needs a --rate > 0")
-        return max(1, math.ceil(rate * args.duration_s))
-    return args.num_requests
+    if args.duration_s is None:
+        return args.num_requests
+    if rate <= 0:
+        raise SystemExit("--duration-s needs a --rate > 0")
+    expected = rate * args.duration_s
+    if expected > MAX_REQUESTS:
+        raise SystemExit(f"--rate x --duration-s: {rate:g}/s x {args.duration_s:g} s = {expected:.3g} requests, "
+                         f"more than the {MAX_REQUESTS:,} one run may simulate")
+    return max(1, math.ceil(expected))
 
 
 def _base_rate(args) -> float:
     """--rate; under --goodput over a duration without one, the search's first rate."""
-    return args.goodput_start if args.rate <= 0 and args.goodput and args.duration_s is not None else args.rate
+    rate = args.rate or 0.0
+    return args.goodput_start if rate <= 0 and args.goodput and args.duration_s is not None else rate
+
+
+def _check_trace_flags(args) -> None:
+    """Refuse the flags that shape a generated workload where they would change nothing."""
+    if args.trace:
+        given = [flag for flag, v in (("--num-requests", args.num_requests), ("--rate", args.rate),
+                                      ("--duration-s", args.duration_s), ("--arrival", args.arrival),
+                                      ("--cv", args.cv)) if v is not None]
+        if given:
+            raise SystemExit(f"{given[0]}: --trace replays its file's requests at their own times, so "
+                             f"{', '.join(given)} would change nothing")
+    if args.num_requests is not None and args.duration_s is not None:
+        raise SystemExit("--num-requests: --duration-s sets the number of requests (rate x duration); give one")
+    if args.cv is not None and args.arrival != "gamma":
+        raise SystemExit("--cv shapes gamma arrivals: add --arrival gamma (Poisson gaps have cv 1)")
 
 
 def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
     """The run's trace; with `rate`, the same traffic at that rate (goodput probes)."""
-    try:
-        if args.trace:
+    if args.trace:
+        try:
             trace = traces.load(args.trace)
-            if rate is None:
-                return trace
-            span = max(r.arrival_s for r in trace) - min(r.arrival_s for r in trace)
-            if span <= 0:
-                raise SystemExit("--goodput over a trace needs arrivals spread in time (its rate is scaled)")
-            return traces.scale_rate(trace, rate / ((len(trace) - 1) / span))
-        name = args.workload or "sharegpt-like"
-        r = _base_rate(args) if rate is None else rate
-        return traces.generate(name, args.seed, _num_requests(args, r), r, args.arrival, args.cv)
+        except OSError as e:
+            raise SystemExit(f"--trace {args.trace}: {e.strerror or e}") from None
+        except ValueError as e:  # it names the file and the line
+            raise SystemExit(f"--trace {e}") from None
+        if rate is None:
+            return trace
+        span = max(r.arrival_s for r in trace) - min(r.arrival_s for r in trace)
+        if span <= 0:
+            raise SystemExit("--goodput over a trace needs arrivals spread in time (its rate is scaled)")
+        return traces.scale_rate(trace, rate / ((len(trace) - 1) / span))
+    name = args.workload or "sharegpt-like"
+    r = _base_rate(args) if rate is None else rate
+    try:
+        return traces.generate(name, args.seed, _num_requests(args, r), r, args.arrival or "poisson",
+                               1.0 if args.cv is None else args.cv)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -212,15 +303,6 @@ def _s(ms: float | None) -> float | None:
 
 
 def _run(args) -> dict:
-    try:
-        cal = Calibration.load(args.calibration)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--calibration: {e}") from None
-    if doubt := cal.doubt():
-        print(f"{args.calibration}: {doubt}", file=sys.stderr)
-    if args.step_noise and cal.forward_ratios is None:
-        print(f"{args.calibration} has no step ratios (an older calibration): every step lasts its prediction, "
-              "without step noise; `engine-sim calibrate` again to have them", file=sys.stderr)
     if args.goodput and args.slo_ttft_ms is None and args.slo_itl_ms is None:
         raise SystemExit("--goodput needs --slo-ttft-ms and/or --slo-itl-ms")
     if args.goodput and args.workload in ("spike", "spike-overlap"):
@@ -230,11 +312,25 @@ def _run(args) -> dict:
                          "requests becomes one burst at a high rate, which any cluster drains)")
     if args.save_steps and args.sweep:
         raise SystemExit("--save-steps writes one run's steps: not with --sweep")
-    base = _base_config(args)
+    _check_trace_flags(args)
+    base = _base_config(args, _overrides(args))
     targets = _targets(args, base)
+    _refuse_unrouted(args, targets)
+    try:
+        cal = Calibration.load(args.calibration)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--calibration: {e}") from None
+    if doubt := cal.doubt():
+        print(f"{args.calibration}: {doubt}", file=sys.stderr)
+    if args.step_noise and cal.forward_ratios is None:
+        print(f"{args.calibration} has no step ratios (an older calibration): every step lasts its prediction, "
+              "without step noise; `engine-sim calibrate` again to have them", file=sys.stderr)
     trace = _trace(args)
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {args.out}: {e.strerror or e}") from None
     results, runs, found = {}, {}, {}
     keep = bool(args.save_steps) or (not args.no_plots and len(trace) <= MAX_PLOTTED_REQUESTS and not args.sweep)
     load_before = os.getloadavg()[0]
@@ -261,7 +357,7 @@ def _run(args) -> dict:
             _save_steps(res.steps or [], args.save_steps)
     summary = {
         "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": _base_rate(args),
-                                "arrival": args.arrival, "cv": args.cv},
+                                "arrival": args.arrival or "poisson", "cv": 1.0 if args.cv is None else args.cv},
         "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
         "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype,
                         "kv_cache_dtype": cal.kv_cache_dtype or None, "cpu": cal.cpu,
@@ -279,9 +375,12 @@ def _save_steps(steps, path: str) -> None:
     import msgspec
 
     enc = msgspec.json.Encoder()
-    with open(path, "wb") as f:
-        for s in steps:
-            f.write(enc.encode(s) + b"\n")
+    try:
+        with open(path, "wb") as f:
+            for s in steps:
+                f.write(enc.encode(s) + b"\n")
+    except OSError as e:
+        raise SystemExit(f"--save-steps {path}: {e.strerror or e}") from None
 
 
 def _plots(args, targets, results: dict, runs: dict, found: dict, out_dir: Path) -> list[str]:
@@ -312,8 +411,15 @@ def _calibrate(args) -> Calibration:
 
     if not args.steps and not args.run:
         raise SystemExit("calibrate needs --steps PATH (engine-bench --save-steps) or --run")
-    base = _base_config(args)
-    records, max_len, model = [], args.max_model_len, args.model or base.model.model
+    overrides = _overrides(args)
+    # A steps file does not say which model ran it: the name recorded is the one given (or --run's
+    # model), never the config's default passed off as the steps' model.
+    model = args.model or overrides.get("model")
+    if model is None and not args.run:
+        raise SystemExit("--model: a steps file does not say which model ran it; name it with --model NAME "
+                         "(or --set model=NAME), as engine-bench ran it")
+    base = _base_config(args, overrides)
+    records, max_len = [], args.max_model_len
     for path in args.steps:
         try:
             records += load_steps(path)
@@ -325,7 +431,7 @@ def _calibrate(args) -> Calibration:
         run_records, run_max_len, run_model = calibration_run(base, args.workload, args.num_requests)
         records += run_records
         max_len = max_len or run_max_len
-        model = args.model or run_model
+        model = model or run_model
     try:
         split = (kernel_max_rows(kernel_isa(), base.model.weight_format == "gguf-q8") if args.split_rows is None
                  else args.split_rows or None)
@@ -334,7 +440,10 @@ def _calibrate(args) -> Calibration:
                   cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    cal.save(args.out)
+    try:
+        cal.save(args.out)
+    except OSError as e:
+        raise SystemExit(f"--out {args.out}: {e.strerror or e}") from None
     return cal
 
 

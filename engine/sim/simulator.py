@@ -80,9 +80,7 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
                            StepNoise(calibration.forward_ratios, seed * 1_000_003 + i) if noisy else None)
                 for i in range(num_replicas)]
     names = [str(i) for i in range(num_replicas)]
-    router = Router(names, ROUTERS[router_name], abs_threshold=config.cluster.balance_abs_threshold,
-                    rel_threshold=config.cluster.balance_rel_threshold,
-                    max_prefix_entries=config.cluster.max_prefix_entries)
+    router = Router.for_cluster(names, config.cluster, ROUTERS[router_name])
     block_size = config.cache.block_size
     timings: list[RequestTiming | None] = [None] * len(trace)
     routed = [0] * num_replicas
@@ -118,7 +116,7 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
         timing = timings[i] = RequestTiming(tag=r.tag, arrival=now, num_prompt_tokens=r.prompt_tokens)
         ids = token_ids(r, i)
         hashes = list(prefix_block_hashes(ids, block_size)) if router.policy == "prefix" else []
-        name = router.route(hashes)
+        name = router.route(hashes, len(ids) / block_size)  # prefix_min_share: as the ingress routes
         replica = replicas[int(name)]
         params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, priority=r.priority)
         delivery = Delivery(timing, loop.time, received, lambda: finished(i, name))

@@ -40,20 +40,19 @@ class TraceRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     after_tokens: int = 0
     after_gate_s: float = 0.0
 
-    def check(self, line: int) -> None:
-        where = f"trace line {line}"
+    def check(self) -> None:
         if not self.arrival_s >= 0:
-            raise ValueError(f"{where}: arrival_s must be >= 0, got {self.arrival_s}")
+            raise ValueError(f"arrival_s must be >= 0, got {self.arrival_s}")
         if self.prompt_tokens < 1:
-            raise ValueError(f"{where}: prompt_tokens must be >= 1, got {self.prompt_tokens}")
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
         if self.output_tokens < 1:
-            raise ValueError(f"{where}: output_tokens must be >= 1, got {self.output_tokens}")
+            raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
         if not 0 <= self.prefix_tokens <= self.prompt_tokens:
-            raise ValueError(f"{where}: prefix_tokens must be in [0, prompt_tokens], got {self.prefix_tokens}")
+            raise ValueError(f"prefix_tokens must be in [0, prompt_tokens], got {self.prefix_tokens}")
         if self.prefix_tokens and self.prefix_group is None:
-            raise ValueError(f"{where}: prefix_tokens without a prefix_group")
+            raise ValueError("prefix_tokens without a prefix_group")
         if self.after_tokens < 0 or self.after_gate_s < 0:
-            raise ValueError(f"{where}: after_tokens and after_gate_s must be >= 0")
+            raise ValueError("after_tokens and after_gate_s must be >= 0")
 
 
 _decoder = msgspec.json.Decoder(TraceRequest)
@@ -67,10 +66,10 @@ def load(path: str | Path) -> list[TraceRequest]:
             if not line.strip():
                 continue
             try:
-                req = _decoder.decode(line)
-            except msgspec.ValidationError as e:
+                req = _decoder.decode(line)  # malformed JSON and schema errors alike (DecodeError)
+                req.check()
+            except ValueError as e:
                 raise ValueError(f"{path}: trace line {i}: {e}") from None
-            req.check(i)
             out.append(req)
     if not out:
         raise ValueError(f"{path}: the trace is empty")

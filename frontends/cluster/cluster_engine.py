@@ -65,9 +65,7 @@ class ClusterEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_name = config.served_model_name
-        self.router = Router(list(handles), cluster.router, abs_threshold=cluster.balance_abs_threshold,
-                             rel_threshold=cluster.balance_rel_threshold,
-                             max_prefix_entries=cluster.max_prefix_entries, min_share=cluster.prefix_min_share)
+        self.router = Router.for_cluster(list(handles), cluster)
         self.dead: str | None = None
         self._remotes: dict[str, _Remote] = {}
         self._served_by: OrderedDict[str, str] = OrderedDict()

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.config import ROUTERS
+from engine.config import ROUTERS, ClusterConfig
 
 
 class Router:
@@ -77,6 +77,14 @@ class Router:
     def _overloaded(self, name: str, least: str) -> bool:
         mine, lowest = self.load[name], self.load[least]
         return mine - lowest > self.abs_threshold and mine > self.rel_threshold * lowest
+
+    @classmethod
+    def for_cluster(cls, names: Sequence[str], cluster: ClusterConfig, policy: str | None = None) -> Router:
+        """A router with `[cluster]`'s settings (its policy unless `policy` says otherwise): the
+        ingress and engine-sim build theirs here, so a setting cannot reach one and not the other."""
+        return cls(names, policy or cluster.router, abs_threshold=cluster.balance_abs_threshold,
+                   rel_threshold=cluster.balance_rel_threshold, max_prefix_entries=cluster.max_prefix_entries,
+                   min_share=cluster.prefix_min_share)
 
     def route(self, hashes: Sequence[bytes], prompt_blocks: float | None = None) -> str | None:
         """Choose, count the request in flight there, and remember its prefix there."""

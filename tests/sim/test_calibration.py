@@ -48,6 +48,9 @@ def test_steps_file_round_trip(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_bytes(b"".join(msgspec.json.encode(s) + b"\n" for s in steps))
     assert load_steps(path) == steps
+    path.write_bytes(msgspec.json.encode(steps[0]) + b"\n{oops\n")
+    with pytest.raises(ValueError, match="^line 2: JSON is malformed"):  # the CLI adds "--steps PATH: "
+        load_steps(path)
 
 
 def test_bad_calibrations_are_refused(tmp_path):

@@ -4,15 +4,18 @@ the trace (tiny random model for the real run)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine.bench import cli as bench_cli
 from engine.sim import cli
 from engine.sim import trace as traces
 from engine.sim.calibration import Calibration
-from tests.sim.util import CAL
+from engine.sim.simulator import simulate
+from tests.sim.util import CAL, config
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["--config", str(REPO / "config.toml"), "--set", "num_blocks=256"]  # the model is the calibration's
@@ -83,6 +86,19 @@ def test_goodput_over_a_duration_needs_no_rate(tmp_path):
     (["--set", "port=1"], "--set port: the simulator runs no HTTP server and no Ray processes"),
     (["--sweep", "replica_cpus=1,2"], "--sweep replica_cpus: the simulator runs no HTTP server"),
     (["--set", "enable_prefix_caching=ture"], "'enable_prefix_caching': bad value 'ture'"),
+    # keys of the prefix router alone, where nothing routes by prefix, would change nothing
+    (["--router", "round-robin", "--set", "prefix_min_share=0.2"],
+     "--set prefix_min_share: only the prefix-affinity router reads it, and the router here is round-robin"),
+    (["--router", "least-loaded", "--sweep", "balance_abs_threshold=1,2"],
+     "--sweep balance_abs_threshold: only the prefix-affinity router"),
+    (["--sweep", "router=round-robin,least-loaded", "--set", "balance_rel_threshold=2"],
+     "--set balance_rel_threshold: .* the router here is least-loaded and round-robin"),
+    (["--config", "/nonexistent/config.toml"], "--config /nonexistent/config.toml: No such file or directory"),
+    (["--rate", "1e308", "--duration-s", "10"], "--rate x --duration-s: .* = inf requests, more than the 10,000,000"),
+    (["--trace", "t.jsonl", "--rate", "2"], "--rate: --trace replays its file's requests at their own times"),
+    (["--trace", "t.jsonl", "--num-requests", "4"], "--num-requests: --trace replays"),
+    (["--rate", "1", "--duration-s", "5", "--num-requests", "4"], "--num-requests: --duration-s sets the number"),
+    (["--cv", "2"], "--cv shapes gamma arrivals: add --arrival gamma"),
 ])
 def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
@@ -97,3 +113,82 @@ def test_help_is_printed(argv, capsys):
         cli.main(argv)
     assert e.value.code == 0
     assert "usage: " in capsys.readouterr().out
+
+
+def _run_summary(tmp_path, *args) -> dict:
+    cli.main(["run", "--calibration", str(tmp_path / "cal.json"), "--workload", "mixed", "--num-requests", "4",
+              "--no-plots", "--out", str(tmp_path / "sim"), *args])
+    return json.loads((tmp_path / "sim" / "results.json").read_text())
+
+
+def test_the_cluster_is_the_config_s_unless_flags_say_otherwise(tmp_path):
+    """[cluster] replicas and router were ignored (1 replica, round-robin) while results.json's
+    config said otherwise."""
+    CAL.save(tmp_path / "cal.json")
+    four = tmp_path / "four.toml"
+    four.write_text('[cluster]\nreplicas = 4\nrouter = "least-loaded"\n')
+    summary = _run_summary(tmp_path, "--config", str(four))
+    (result,) = summary["results"].values()
+    assert (result["replicas"], result["router"], len(result["routed"])) == (4, "least-loaded", 4)
+    assert summary["config"]["cluster"]["replicas"] == 4 and summary["config"]["cluster"]["router"] == "least-loaded"
+    summary = _run_summary(tmp_path, "--config", str(four), "--replicas", "2", "--router", "prefix-affinity")
+    (result,) = summary["results"].values()
+    assert (result["replicas"], result["router"], len(result["routed"])) == (2, "prefix-affinity", 2)
+    assert summary["config"]["cluster"]["replicas"] == 2 and summary["config"]["cluster"]["router"] == "prefix"
+    one = tmp_path / "one.toml"
+    one.write_text("[cluster]\nreplicas = 0\n")  # engine-serve's one engine in its own process: one replica
+    summary = _run_summary(tmp_path, "--config", str(one), "--set", "balance_abs_threshold=4")
+    (result,) = summary["results"].values()
+    assert (result["replicas"], result["router"]) == (1, "prefix-affinity")  # the config's default router, "prefix"
+    assert summary["config"]["cluster"]["replicas"] == 1 and summary["config"]["cluster"]["balance_abs_threshold"] == 4
+
+
+@pytest.mark.parametrize("args, why", [
+    (["run", "--replicas", "0"], "argument --replicas: must be >= 1, got 0"),
+    (["run", "--replicas", "-2"], "argument --replicas: must be >= 1, got -2"),
+    (["run", "--rate", "inf"], "argument --rate: must be a finite number, got inf"),
+    (["run", "--rate", "nan"], "argument --rate: must be a finite number, got nan"),
+    (["run", "--rate", "-1"], "argument --rate: must be >= 0, got -1"),
+    (["run", "--num-requests", "0"], "argument --num-requests: must be >= 1, got 0"),
+    (["run", "--num-requests", "-3"], "argument --num-requests: must be >= 1, got -3"),
+    (["run", "--rate", "1", "--duration-s", "0"], "argument --duration-s: must be > 0, got 0"),
+    (["run", "--rate", "1", "--duration-s", "-1"], "argument --duration-s: must be > 0, got -1"),
+    (["calibrate", "--steps", "s.jsonl", "--max-model-len", "-5"], "argument --max-model-len: must be >= 1, got -5"),
+    (["calibrate", "--steps", "s.jsonl", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["calibrate", "--steps", "s.jsonl", "--split-rows", "-1"], "argument --split-rows: must be >= 0, got -1"),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_meaningless_flag_values_are_argparse_errors(args, why, tmp_path, capsys):
+    """They were tracebacks (--replicas 0, --rate inf), or ran as something else (--num-requests 0:
+    the default; -3: no requests, exit 0; --max-model-len 0: unlimited)."""
+    calibration = ["--calibration", str(tmp_path / "cal.json"), "--out", str(tmp_path)] if args[0] == "run" else []
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, *calibration])
+    assert e.value.code == 2
+    assert f"engine-sim {args[0]}: error: {why}" in capsys.readouterr().err
+
+
+def test_unreadable_traces_are_named(tmp_path):
+    """A missing file or a directory were tracebacks; malformed JSON gave no file nor line."""
+    CAL.save(tmp_path / "cal.json")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival_s": 0, oops}\n')
+    for path, why in ((tmp_path / "missing.jsonl", "No such file or directory"), (tmp_path, "Is a directory"),
+                      (bad, "trace line 2: JSON is malformed")):
+        with pytest.raises(SystemExit, match=f"^--trace {re.escape(str(path))}: {why}"):
+            cli.main(["run", "--calibration", str(tmp_path / "cal.json"), "--trace", str(path), "--out", str(tmp_path)])
+
+
+def test_calibrate_from_steps_records_the_model_it_is_told(tmp_path):
+    """A steps file does not say which model ran it: the config's default was recorded as if it had."""
+    steps = simulate(traces.generate("mixed", 1, 16, 4.0), config(policy="chunked"), CAL, keep_steps=True).steps
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(s) + b"\n" for s in steps))
+    calibrate = ["calibrate", "--steps", str(path), "--out", str(tmp_path / "cal.json")]
+    with pytest.raises(SystemExit, match="--model: a steps file does not say which model ran it"):
+        cli.main(calibrate)
+    with pytest.raises(SystemExit, match="--set router: calibrate runs one engine in this process"):
+        cli.main([*calibrate, "--model", "m", "--set", "router=least-loaded"])
+    with pytest.raises(SystemExit, match="--config /nonexistent/config.toml: No such file"):
+        cli.main([*calibrate, "--model", "m", "--config", "/nonexistent/config.toml"])
+    cli.main([*calibrate, "--model", "smollm2-360m"])
+    assert Calibration.load(tmp_path / "cal.json").model == "smollm2-360m"

@@ -119,6 +119,17 @@ def test_prefix_affinity_keeps_a_group_together_until_the_load_gap_is_too_large(
     assert all(t.ok for t in res.timings)
 
 
+def test_a_prefix_under_prefix_min_share_of_the_prompt_is_not_followed():
+    """As the ingress routes: a chat template's opening block alone must not pin every
+    conversation to one replica (engine-sim's router ignored prefix_min_share)."""
+    chats = [TraceRequest(arrival_s=0.2 * i, prompt_tokens=200, output_tokens=8, prefix_group="template",
+                          prefix_tokens=32) for i in range(12)]
+    follow = simulate(chats, config(replicas=4, prefix_min_share=0.0), CAL, replicas=4, router="prefix-affinity")
+    share = simulate(chats, config(replicas=4, prefix_min_share=0.5), CAL, replicas=4, router="prefix-affinity")
+    assert sum(1 for n in follow.routed if n) == 1  # any known prefix followed: one replica
+    assert all(n > 0 for n in share.routed)  # 32 of 200 tokens is under half: least-loaded
+
+
 def test_replicas_are_independent_engines():
     # the same trace twice over, two replicas round-robin = each replica sees one copy
     one = [TraceRequest(arrival_s=0.1 * i, prompt_tokens=50 + i, output_tokens=20) for i in range(10)]

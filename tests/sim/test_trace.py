@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import statistics
 
 import pytest
@@ -30,11 +31,12 @@ def test_round_trip_and_optional_fields(tmp_path):
     ('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 1, "prefix_tokens": 8, "prefix_group": 1}', "prefix_tokens"),
     ('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 1, "prefix_tokens": 2}', "prefix_group"),
     ('{"prompt_tokens": 4, "output_tokens": 1}', "arrival_s"),
+    ('{"arrival_s": 0, oops}', "JSON is malformed"),  # it named no file and no line
 ])
 def test_bad_lines_are_refused_by_name(tmp_path, line, why):
     path = tmp_path / "t.jsonl"
-    path.write_text(line + "\n")
-    with pytest.raises(ValueError, match=why):
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: trace line 3: .*{why}"):
         traces.load(path)
 
 
