@@ -31,6 +31,7 @@ from engine.attention.cpu_backend import CpuAttention  # noqa: E402
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
 from engine.batch import Seq, flatten_batch  # noqa: E402
+from engine.cli_args import positive_int  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu import cpu_info  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -124,8 +125,9 @@ def bench_case(model: LlamaModel, targets, query_lens, context_lens, repeats: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best)")
+    parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
+                        help="torch intra-op threads")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per measurement (best)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the decode contexts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -29,9 +29,11 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import EngineConfig  # noqa: E402
+from engine.cli_args import number, positive_int  # noqa: E402
 from engine.bench import workload  # noqa: E402
 from engine.bench.runner import run_remote  # noqa: E402
 from engine.bench.stats import summarize  # noqa: E402
+from engine.config import ROUTERS  # noqa: E402
 from engine.model.loader import load_tokenizer  # noqa: E402
 from frontends.cluster.app import create_cluster_app  # noqa: E402
 from frontends.cluster.launch import Replicas  # noqa: E402
@@ -77,14 +79,17 @@ async def one_router(config: EngineConfig, requests) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--routers", default="prefix,round-robin")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--replica-cpus", type=float, default=1.0)
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
-    p.add_argument("--num-blocks", type=int, default=320, help="KV pool per replica (16-token blocks)")
+    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replica-cpus", type=number(float, 0, strict=True), default=1.0)
+    p.add_argument("--num-requests", type=positive_int, default=128)
+    p.add_argument("--rate", type=number(float, 0), default=0.5, help="Poisson arrivals per second (0 = all at once)")
+    p.add_argument("--num-blocks", type=positive_int, default=320, help="KV pool per replica (16-token blocks)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    unknown = [r for r in args.routers.split(",") if r not in ROUTERS]
+    if unknown:
+        p.error(f"--routers: unknown {', '.join(map(repr, unknown))} (known: {', '.join(ROUTERS)})")
 
     print(f"load before: {os.getloadavg()}", flush=True)
     base = EngineConfig.load(None, model=args.model, replicas=args.replicas, replica_cpus=args.replica_cpus,

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.attention.backend import get_backend  # noqa: E402
 from engine.batch import Seq, flatten_batch  # noqa: E402
+from engine.cli_args import numbers, positive_int  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cpu import cpu_info  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -204,13 +205,15 @@ def bench_native(ours: LlamaModel, rows: int, warmup: int, steps: int) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
-    parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs per shape (median)")
-    parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median)")
+    parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
+                        help="torch intra-op threads")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed prefill runs per shape (median)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed decode steps per batch size (median)")
     parser.add_argument("--attention", default=None, help="our attention backend (default: config.toml's)")
     parser.add_argument("--linear", default=None, help="our linear backend: auto, onednn, torch (default: config.toml's)")
     parser.add_argument("--weight-format", default=None, help="auto, dequantized, gguf, gguf-q8 (default: config.toml's)")
-    parser.add_argument("--rows", default=",".join(map(str, NATIVE_ROWS)), help="decode rows per step, native table")
+    parser.add_argument("--rows", type=numbers(int, 1), default=",".join(map(str, NATIVE_ROWS)),
+                        help="decode rows per step, native table")
     parser.add_argument("--skip-hf", action="store_true", help="only the native GGUF table")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (with --threads 1, the compute time even on a loaded machine)")
@@ -240,7 +243,7 @@ def main() -> None:
               f"GGUF kernel, fused layers tok/s | fused/dense | fused/op by op | kernel, int8 activations tok/s | "
               f"{ours.weight_format} (kernel <= {auto_rows(ours.weight_format == 'gguf-q8')} rows) tok/s |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for r in (int(v) for v in args.rows.split(",")):
+        for r in args.rows:
             t = bench_native(ours, r, warmup=2, steps=args.steps)
             print(f"| {r} | {t['dense']:,.0f} | {t['kernel-ops']:,.0f} | {t['kernel']:,.0f} | "
                   f"{t['kernel'] / t['dense']:.2f}x | {t['kernel'] / t['kernel-ops']:.2f}x | {t['kernel-q8']:,.0f} | "

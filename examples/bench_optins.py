@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_forward import Paged, bench_decode, bench_prefill  # noqa: E402
+from bench_forward import Paged, bench_decode, bench_prefill, positive_int  # noqa: E402
 
 from engine.attention.backend import get_backend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -81,10 +81,13 @@ def agreement(ours: list[int], ref: list[int]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--variants", default=",".join(str(i) for i in range(len(VARIANTS))),
                         help="comma-separated indexes into the variant list, in run order")
     args = parser.parse_args()
+    indexes = [str(i) for i in range(len(VARIANTS))]
+    if any(i not in indexes for i in args.variants.split(",")):
+        parser.error(f"--variants: comma-separated indexes in {', '.join(indexes)}, got {args.variants!r}")
     torch.set_num_threads(args.threads)
     config = EngineConfig.load(Path(__file__).resolve().parent.parent / "config.toml")
     cache_dir = config.model.resolved_cache_dir()

@@ -27,11 +27,12 @@ import msgspec
 import torch
 
 from engine.attention.backend import get_backend
+from engine.cli_args import positive_int
 from engine.config import EngineConfig
 from engine.cpu import cpu_info
 from engine.executor import Executor
 from engine.kv_cache import KVCache
-from engine.messages import Penalties, PlanItem, StepPlan
+from engine.messages import Penalties, PlanItem, StepPlan, TokenBias
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
 from engine.structured.bench import bench_matchers, rearm
@@ -61,7 +62,8 @@ def with_penalties(items: list[PlanItem], vocab: int) -> list[PlanItem]:
         penalties = Penalties(presence=0.5, frequency=0.5, repetition=1.1,
                               output_token_ids=[rng.randrange(vocab) for _ in range(CONTEXT // 2)],
                               prompt_token_ids=[rng.randrange(vocab) for _ in range(CONTEXT // 2)])
-        out[i] = msgspec.structs.replace(items[i], penalties=penalties, min_p=0.05, logit_bias=[(13, -5.0)])
+        out[i] = msgspec.structs.replace(items[i], penalties=penalties, min_p=0.05,
+                                         logit_bias=TokenBias.of([(13, -5.0)]))  # as engine/plan_sampling.py makes it
     return out
 
 
@@ -125,8 +127,12 @@ def main(running: int, reps: int, tiny: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--running", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--running", type=int, default=64,
+                        help=f"decode rows, at least {2 * NUM_FEATURE_ROWS} (the last variant's rows are distinct)")
+    parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument("--tiny", action="store_true", help="the tiny random model instead of the default one")
     args = parser.parse_args()
+    if args.running < 2 * NUM_FEATURE_ROWS:
+        parser.error(f"--running must be >= {2 * NUM_FEATURE_ROWS}: {NUM_FEATURE_ROWS} structured and "
+                     f"{NUM_FEATURE_ROWS} penalised rows, got {args.running}")
     main(args.running, args.reps, args.tiny)

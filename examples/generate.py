@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.cli_args import positive_int
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def main(question: str, policy: str, max_tokens: int) -> None:
-    config = EngineConfig.load("config.toml", policy=policy)
+    config = EngineConfig.load(ROOT / "config.toml", policy=policy)
     async with Engine(config) as engine:
         steps, request_id = [], "example"
 
@@ -39,6 +43,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("question", nargs="?", default="Explain in two sentences why batching helps LLM serving.")
     p.add_argument("--policy", default="chunked", choices=["static", "continuous", "chunked"])
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=positive_int, default=96)
     args = p.parse_args()
     asyncio.run(main(args.question, args.policy, args.max_tokens))

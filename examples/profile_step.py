@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.cli_args import positive_int
 from engine.messages import StepRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +42,7 @@ def peak_rss_mib() -> float:
 
 
 async def main(running: int, steps: int, profile: bool) -> None:
-    config = EngineConfig.load(ROOT / "config.toml", max_num_seqs=max(running, 1))
+    config = EngineConfig.load(ROOT / "config.toml", max_num_seqs=running)
     async with Engine(config) as engine:
         records: list[StepRecord] = []
         measuring = asyncio.Event()
@@ -111,8 +112,8 @@ async def main(running: int, steps: int, profile: bool) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--running", type=int, default=64)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--running", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=30)
     p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
     asyncio.run(main(args.running, args.steps, args.cprofile))

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import msgspec
 
+from engine.cli_args import number, numbers, positive_int
 from engine.config import EngineConfig
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration
-from engine.sim.simulator import simulate
+from engine.sim.simulator import ROUTERS, simulate
 
 
 def chat_trace(seed: int, rate: float, duration_s: float, num_prefixes: int, prefix_tokens: int):
@@ -35,18 +36,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", required=True)
     p.add_argument("--config", default="config.toml")
-    p.add_argument("--replicas", default="1,2,4,8,16,32")
+    p.add_argument("--replicas", type=numbers(int, 1), default="1,2,4,8,16,32")
     p.add_argument("--routers", default="round-robin,prefix-affinity")
-    p.add_argument("--slo-ttft-ms", type=float, default=5000)
-    p.add_argument("--slo-itl-ms", type=float, default=1000)
-    p.add_argument("--duration-s", type=float, default=120)
-    p.add_argument("--num-prefixes", type=int, default=16)
-    p.add_argument("--prefix-tokens", type=int, default=400)
-    p.add_argument("--step-budgets", default="250,500,1000,2000", help="max_step_ms values tried for the ITL SLO")
-    p.add_argument("--abs-thresholds", default="", metavar="N,N,...",
+    p.add_argument("--slo-ttft-ms", type=number(float, 0, strict=True), default=5000)
+    p.add_argument("--slo-itl-ms", type=number(float, 0, strict=True), default=1000)
+    p.add_argument("--duration-s", type=number(float, 0, strict=True), default=120)
+    p.add_argument("--num-prefixes", type=positive_int, default=16)
+    p.add_argument("--prefix-tokens", type=number(int, 0), default=400)
+    p.add_argument("--step-budgets", type=numbers(int, 0), default="250,500,1000,2000",
+                   help="max_step_ms values tried for the ITL SLO (0 = the token budget only)")
+    p.add_argument("--abs-thresholds", type=numbers(int, 0), default="", metavar="N,N,...",
                    help="also prefix-affinity with each of these [cluster] balance_abs_threshold values")
     p.add_argument("--out", default="sim-capacity")
     args = p.parse_args()
+    unknown = [r for r in args.routers.split(",") if r not in ROUTERS]
+    if unknown:
+        p.error(f"--routers: unknown {', '.join(map(repr, unknown))} (known: {', '.join(sorted(ROUTERS))})")
+    if not args.replicas or not args.step_budgets:
+        p.error("--replicas and --step-budgets need at least one value each")
     cal = Calibration.load(args.calibration)
     base = EngineConfig.load(args.config if Path(args.config).exists() else None)
     out = Path(args.out)
@@ -62,15 +69,15 @@ def main() -> None:
 
     # the step budget: the largest max_step_ms whose single-replica goodput is best under the ITL SLO
     budgets = {ms: rate_for(base.with_overrides(policy="chunked", max_step_ms=ms), 1, "round-robin")
-               for ms in map(int, args.step_budgets.split(","))}
+               for ms in args.step_budgets}
     chosen = max(budgets, key=lambda ms: (budgets[ms], ms))
     config = base.with_overrides(policy="chunked", max_step_ms=chosen)
     print(f"max_step_ms -> 1-replica goodput: {budgets}; chosen {chosen}")
-    replicas = [int(n) for n in args.replicas.split(",")]
+    replicas = args.replicas
     curves = {}
     runs = [(router, config, router) for router in args.routers.split(",")]
-    runs += [(f"prefix-affinity, abs threshold {t}", config.with_overrides(replicas=1, balance_abs_threshold=int(t)),
-              "prefix-affinity") for t in args.abs_thresholds.split(",") if t]
+    runs += [(f"prefix-affinity, abs threshold {t}", config.with_overrides(replicas=1, balance_abs_threshold=t),
+              "prefix-affinity") for t in args.abs_thresholds]
     for label, cfg, router in runs:
         curves[label] = [rate_for(cfg, n, router) for n in replicas]
         print(f"{label}: " + ", ".join(f"{n}: {r:.2f}" for n, r in zip(replicas, curves[label])), flush=True)

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from engine.cli_args import positive_int  # noqa: E402
 from frontends.http import sse  # noqa: E402
 
 PREAMBLE = "You are a careful assistant. Answer briefly and stay on topic. "
@@ -374,11 +375,12 @@ async def soak_in_process(options: Options, config, loaded=None, log=print) -> R
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=positive_int, default=1000)
+    parser.add_argument("--concurrency", type=positive_int, default=64)
     parser.add_argument("--disconnect-share", type=float, default=0.3)
-    parser.add_argument("--prompts", type=int, default=32, help="distinct prompts (references computed for each)")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=positive_int, default=32,
+                        help="distinct prompts (references computed for each)")
+    parser.add_argument("--max-tokens", type=positive_int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="a running server (default: start one in-process)")
     parser.add_argument("--api-key", default="")

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from engine.bench import report, workload
+from engine.cli_args import number, positive_int
 from engine.config import (ClusterConfig, EngineConfig, ModelConfig, ServerConfig, config_path, parse_sweep,
                            parse_value)
 from engine.sim import goodput, trace as traces
@@ -46,28 +47,9 @@ MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
 MAX_REQUESTS = 10_000_000  # a trace is built in memory before the run: more is a typo, not a plan
 
 
-def _number(kind: type, low: float, strict: bool = False, high: float = math.inf):
-    """An argparse type: a finite `kind` >= low (> low when strict) and <= high. Anything else is
-    the flag's own error (argparse names it), never a traceback nor a value that means something else."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{'an integer' if kind is int else 'a number'} expected, "
-                                             f"got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be <= {high:,}, got {text}")
-        return value
-    return parse
-
-
-_count = _number(int, 1)
-_num_requests_arg = _number(int, 1, high=MAX_REQUESTS)
-_positive = _number(float, 0, strict=True)
+_count = positive_int
+_num_requests_arg = number(int, 1, high=MAX_REQUESTS)
+_positive = number(float, 0, strict=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--num-requests", type=_num_requests_arg,
                    help="workload size (the bench's default 64 if neither this nor --duration-s)")
-    r.add_argument("--rate", type=_number(float, 0), help="arrivals per second; 0 = all at once (the default)")
+    r.add_argument("--rate", type=number(float, 0), help="arrivals per second; 0 = all at once (the default)")
     r.add_argument("--arrival", choices=traces.ARRIVALS, help="the arrival process (default poisson)")
     r.add_argument("--cv", type=_positive, help="--arrival gamma: coefficient of variation of the gaps (default 1)")
     r.add_argument("--duration-s", type=_positive, help="with --rate: as many requests as arrive in this long")
@@ -118,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "say which model ran it (--set model=NAME does too); --run: default the run's model")
     c.add_argument("--dtype", help="the dtype to record (default: the config's)")
     c.add_argument("--max-model-len", type=_count, help="the model's context (--run: read from the model)")
-    c.add_argument("--split-rows", type=_number(int, 0),
+    c.add_argument("--split-rows", type=number(int, 0),
                    help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
                         "the dense weights on this CPU: engine.cpu.NATIVE_MAX_ROWS, 8 on the AVX-512 path, 64 on "
                         "AVX2, 16 portable or under gguf-q8); 0 = one model")
