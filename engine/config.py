@@ -137,18 +137,16 @@ class ServerConfig:
         self.origins()
 
     def origins(self) -> frozenset[str]:
-        """`allowed_origins` as a set; each entry is "*" or an origin as a browser sends it in
-        its Origin header: scheme://host[:port], no path, not even a trailing slash."""
+        """`allowed_origins` as a set; each entry is "*" or an origin exactly as a browser sends it
+        in its Origin header (compared as strings): scheme://host[:port], lower case, without the
+        scheme's default port, a path or a trailing slash."""
         origins = frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
+        _require(bool(origins) or not self.allowed_origins.strip(), "allowed_origins", "lists no origin")
         for origin in origins - {"*"}:
-            parts = urlsplit(origin)
-            try:
-                parts.port  # noqa: B018 - raises for a port out of range or not a number
-            except ValueError:
-                parts = urlsplit("")
-            _require(parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path and
-                     not parts.query and not parts.fragment, "allowed_origins",
-                     f"has {origin!r}, which is not '*' or an origin (scheme://host[:port], no path or trailing slash)")
+            canonical = _origin(origin)
+            _require(canonical == origin, "allowed_origins",
+                     f"has {origin!r}, which is not '*' or an origin as browsers send it (scheme://host[:port], "
+                     "lower case, no default port, path or trailing slash)" + (f": write {canonical!r}" if canonical else ""))
         return origins
 
 
@@ -338,6 +336,23 @@ def _check_type(key: str, value: Any, expected: type) -> None:
     if not ok:
         raise ValueError(f"config key {key!r}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
     _require(not isinstance(value, float) or math.isfinite(value), key, "must be a finite number")
+
+
+def _origin(text: str) -> str | None:
+    """`text` as a browser serializes its origin, or None if it names none (a path, a user, a
+    fragment, a space, a bad port)."""
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if (not parts.scheme or not parts.hostname or parts.path or parts.query or "#" in text or "@" in parts.netloc
+            or any(c.isspace() for c in text)):
+        return None
+    scheme, host = parts.scheme.lower(), parts.hostname  # urlsplit lower-cases the host
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}.get(scheme)
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

@@ -163,12 +163,14 @@ def _checked(url: str) -> str:
     """`url` if it can name an HTTP server; a ValueError saying what is wrong otherwise (a
     typo would otherwise be retried for ever as "cannot connect")."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ValueError(f"--url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
     try:
-        parts.port  # noqa: B018 - raises for a port out of range or not a number
+        port = parts.port
     except ValueError as e:
         raise ValueError(f"--url {url!r}: {e}") from None
+    if port == 0:
+        raise ValueError(f"--url {url!r}: port 0 is no server's port")
     return url
 
 

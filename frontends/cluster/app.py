@@ -95,6 +95,8 @@ async def engine_state(request: web.Request) -> web.Response:
 
 async def engine_steps(request: web.Request) -> web.StreamResponse:
     state, name = request.app[STATE], _replica(request)
+    if name not in _cluster(request).router.healthy:  # dead or hung: its stream would end at once, or never start
+        raise ApiError(503, f"replica {name} is down (its health probe fails)", code="replica_unavailable")
     records = _cluster(request).handles[name].options(stream=True).steps.remote()
     streams = request.app[STEP_STREAMS]
     streams.add(records)

@@ -9,6 +9,7 @@ that dies. Serve's own HTTP proxy is disabled: the ingress is our aiohttp app.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -108,16 +109,18 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     "auto" when the address Ray finds for it (RAY_ADDRESS, else the last cluster started on
     this node, which may be long gone) does not answer, or when it finds none."""
     where = repr(address)
-    if address == "auto":
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):  # any form ray.init takes (ray://, host:port)
+        where, address = f"'auto' ({os.environ['RAY_ADDRESS']}: from RAY_ADDRESS)", os.environ["RAY_ADDRESS"]
+    elif address == "auto":
         from ray._private.services import canonicalize_bootstrap_address
 
         try:
             resolved = canonicalize_bootstrap_address("auto")
-        except ConnectionError as e:
+        except (ConnectionError, ValueError) as e:
             raise ConnectionError(f"--ray-address auto: {e}") from None
         if resolved is None:
             return
-        where, address = f"'auto' ({resolved}: from RAY_ADDRESS or the node's last `ray start`)", resolved
+        where, address = f"'auto' ({resolved}: the node's last `ray start`)", resolved
     hostport = address.split("://", 1)[-1]
     if ":" not in hostport:
         return

@@ -7,7 +7,8 @@ the server says so. With origins configured:
   answered 204 with the methods and headers it asked for, before routing and the API key (a
   browser sends no credentials on a preflight); from any other origin it is a 403 naming it;
 - every response to an allowed origin, errors and SSE streams included, carries
-  Access-Control-Allow-Origin and exposes X-Request-Id and Retry-After to the page.
+  Access-Control-Allow-Origin and exposes X-Request-Id, Retry-After and (a cluster's)
+  X-Stepwise-Replica to the page; with a list of origins every answer says Vary: Origin.
 
 "*" allows any origin (vLLM's and llama.cpp's default); the default here is none, because a
 server without an API key would otherwise answer any web page its user visits.
@@ -20,7 +21,7 @@ from aiohttp import web
 from frontends.http.errors import ApiError
 
 METHODS = "GET, POST, OPTIONS"
-EXPOSED = "X-Request-Id, Retry-After"
+EXPOSED = "X-Request-Id, Retry-After, X-Stepwise-Replica"  # the last: a cluster ingress's
 MAX_AGE_S = 600
 
 
@@ -48,11 +49,11 @@ class Cors:
         return web.Response(status=204, headers=headers)
 
     async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        if not self.any:  # the answer depends on the Origin: a cache must not give it to another one
+            vary = response.headers.get("Vary")
+            response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
         origin = request.headers.get("Origin")
         if origin is None or not self.allows(origin):
             return
         response.headers["Access-Control-Allow-Origin"] = "*" if self.any else origin
-        if not self.any:  # a cache must not give this answer to another origin
-            vary = response.headers.get("Vary")
-            response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
         response.headers["Access-Control-Expose-Headers"] = EXPOSED

@@ -67,5 +67,7 @@ async def engine_state(request: web.Request) -> web.Response:
 async def engine_steps(request: web.Request) -> web.StreamResponse:
     _no_replica(request)
     state = request.app[STATE]
+    if state.engine.dead:  # no step will ever come: an empty 200 stream would read as a flapping connection
+        raise ApiError(503, f"the engine is dead: {state.engine.dead}", code="engine_dead")
     with state.live.track(), state.feed.subscribe() as records:
         return await sse.relay(request, records)

@@ -42,6 +42,8 @@ async def test_an_allowed_origin_gets_preflights_and_headers_before_the_api_key(
         assert "Access-Control-Allow-Origin" not in refused.headers
         plain = await client.post("/v1/completions", json=BODY, headers={**key, "Origin": "https://evil.example"})
         assert plain.status == 200 and "Access-Control-Allow-Origin" not in plain.headers  # the browser withholds it
+        models = await client.get("/v1/models", headers={"Authorization": "Bearer sesame"})  # no Origin at all
+        assert models.headers["Vary"] == "Origin"  # so no cache hands this answer to an allowed page
 
 
 async def test_any_origin(tiny_model):
@@ -60,8 +62,22 @@ async def test_no_cors_by_default(tiny_model):
         assert done.status == 200 and "Access-Control-Allow-Origin" not in done.headers
 
 
-@pytest.mark.parametrize("value", ["http://localhost:3000/", "localhost:3000", "https://a.example/chat",
-                                   "ftp://a.example", "http://a.example:99999", "*, a.example"])
-def test_an_entry_that_is_not_an_origin_is_refused(value):
-    with pytest.raises(ValueError, match=r"config key 'allowed_origins' has '.*', which is not '\*' or an origin"):
+@pytest.mark.parametrize(("value", "write"), [
+    ("http://localhost:3000/", None), ("localhost:3000", None), ("https://a.example/chat", None),
+    ("http://a.example:99999", None), ("*, a.example", None), ("http://u@a.example", None), ("http://a.example#", None),
+    ("http://a b", None),
+    # origins a browser never sends in this form: they could never match
+    ("https://Chat.Example.com", "https://chat.example.com"), ("https://chat.example.com:443", "https://chat.example.com"),
+    ("http://localhost:80", "http://localhost"),
+])
+def test_an_entry_that_is_not_an_origin_as_browsers_send_it_is_refused(value, write):
+    with pytest.raises(ValueError, match=r"config key 'allowed_origins' has '.*', which is not '\*' or an origin") as e:
         EngineConfig.load(None, allowed_origins=value)
+    assert (f"write {write!r}" in str(e.value)) if write else "write" not in str(e.value)
+
+
+def test_extension_and_app_origins_and_an_empty_list():
+    origins = "chrome-extension://abcdefgh,tauri://localhost,http://[::1]:3000"
+    assert EngineConfig.load(None, allowed_origins=origins).server.origins() == frozenset(origins.split(","))
+    with pytest.raises(ValueError, match="'allowed_origins' lists no origin"):
+        EngineConfig.load(None, allowed_origins=" , ")

@@ -94,6 +94,50 @@ async def test_a_replica_of_one_engine_is_refused_for_good(tiny_model):
     assert "no replica 'replica-1'" in events[-1].reason and "--replica" in events[-1].reason
 
 
+async def test_a_dead_engine_is_a_disconnect_that_says_so_and_keeps_the_history(tiny_model):
+    """Once steps() ended with the engine, /v1/engine/steps answered an empty 200 stream: the
+    monitor flapped Connected / "stream ended" every 0.5 s, never saw the state saying the
+    engine was dead, and each reconnection wiped its history."""
+    from monitor.state import MonitorState
+
+    def always(plan):
+        raise RuntimeError("executor on fire")
+
+    engine = Engine(tiny_config(max_num_batched_tokens=48, chunk_size=16, max_step_ms=0), loaded=tiny_model,
+                    fault_hook=always)
+    await engine.start()
+    srv = TestServer(http.create_app(engine), host="127.0.0.1")
+    await srv.start_server()
+    source, monitor, tasks = HttpSource(f"http://127.0.0.1:{srv.port}"), MonitorState(), []
+    try:
+        events = follow(source, state_interval_s=0.05, backoff=Backoff(0.05))
+        async with contextlib.aclosing(events), asyncio.timeout(30):
+            async for ev in events:
+                if isinstance(ev, StepEvent):
+                    monitor.add(ev.record)
+                elif not isinstance(ev, StateEvent):
+                    monitor.on_connection(ev)
+                if isinstance(ev, Connected) and not tasks:
+                    tasks.append(asyncio.create_task(_until_dead(engine)))  # three failed steps in a row kill it
+                if isinstance(ev, Disconnected) and "the engine is dead" in ev.reason:
+                    break
+        assert "executor failed 3 steps in a row" in ev.reason and monitor.num_steps_seen >= 3
+        assert monitor.last is not None and monitor.last.error  # the failed steps are still on screen
+    finally:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await source.close()
+        await srv.close()
+        await engine.stop()
+
+
+async def _until_dead(engine) -> None:
+    from engine import EngineDeadError
+
+    with contextlib.suppress(EngineDeadError):
+        while True:
+            await _drain(engine.generate([5, 6, 7], _params(max_tokens=4)))
+
+
 def _params(**kw):
     from engine import SamplingParams
 

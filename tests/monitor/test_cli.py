@@ -57,6 +57,7 @@ def test_bad_config_is_a_message_not_a_traceback(tmp_path, capsys):
     ("localhost:8000", "expected http://HOST:PORT"), ("ftp://h:21", "expected http://HOST:PORT"),
     ("not a url", "expected http://HOST:PORT"), ("http://h:99999", "Port out of range"),
     ("http://h:eighty", "Port could not be cast"), ("http:///v1", "expected http://HOST:PORT"),
+    ("http://h:0", "port 0 is no server's port"), ("http://h:8000?x=1", "expected http://HOST:PORT"),
 ])
 def test_an_unusable_url_is_refused_before_the_dashboard_starts(url, says, capsys):
     """These used to be retried for ever as connection errors."""

@@ -255,6 +255,8 @@ async def test_a_hung_replica_is_routed_around_and_its_streams_end(replicas):
             assert loop.time() - start < 30  # the probe's 5 s timeout, on a loaded machine
             events = sse_events(await asyncio.wait_for(left.read(), 30))  # ended: its replica is down
             assert events[-1] == "[DONE]" and victim in events[-2]["error"]["message"], events[-2:]
+            steps = await client.get(f"/v1/engine/steps?replica={victim}")  # a 503, not a stream that never starts
+            assert steps.status == 503 and (await steps.json())["error"]["code"] == "replica_unavailable"
         finally:
             os.kill(pid, signal.SIGCONT)
         await asyncio.wait_for(engine.wait_healthy(victim), 120)

@@ -44,6 +44,12 @@ def test_auto_is_checked_where_ray_finds_it(tmp_path, monkeypatch):
             launch._check_reachable("auto")
         s.listen()
         launch._check_reachable("auto")  # a cluster that answers
+        for env in (f"ray://127.0.0.1:{port}", f"127.0.0.1:{port}"):  # RAY_ADDRESS first, in any form ray.init takes
+            monkeypatch.setenv("RAY_ADDRESS", env)
+            launch._check_reachable("auto")
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")  # its socket is closed now
+    with pytest.raises(ConnectionError, match=rf"'auto' \(ray://127.0.0.1:{port}: from RAY_ADDRESS\).*nothing answers"):
+        launch._check_reachable("auto")
 
 
 def test_resources_the_cluster_lacks_are_refused_on_a_local_ray_and_warned_of_on_a_shared_one(monkeypatch, capsys):
