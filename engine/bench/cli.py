@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from engine.bench import limit, llama_server, peers, report, workload
 from engine.bench.runner import RemoteError, run_in_process, run_remote
+from engine.cli_args import number, positive_int
 from engine.config import EngineConfig, config_path, parse_sweep, parse_value
 from engine.cpu import RESTRICT_ENV, cpu_info
 from engine.engine import DTYPES, Engine
@@ -46,11 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default="")
     p.add_argument("--config", help="in-process: TOML config (default ./config.toml if present)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-requests", type=int, help="default: mixed and sharegpt-like 64, shared-prefix 256, single 1; "
+    p.add_argument("--num-requests", type=positive_int, help="default: mixed and sharegpt-like 64, shared-prefix 256, single 1; "
                                                     "spike / spike-overlap: N - 2 streams + 2 long prompts (default 12 + 2)")
-    p.add_argument("--rate", type=float, help="Poisson arrivals per second; 0 (default) = all at once; "
+    p.add_argument("--rate", type=number(float, 0), help="Poisson arrivals per second; 0 (default) = all at once; "
                                               "not with spike / spike-overlap (they time their own arrivals)")
-    p.add_argument("--vocab-size", type=int,
+    p.add_argument("--vocab-size", type=number(int, 2),
                    help="prompt token ids are drawn below this (default: the tokenizer's size in-process, 20000 remote)")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-itl-ms", type=float)
@@ -79,14 +80,8 @@ LOAD_KEYS = ("model", "dtype", "cache_dir")
 
 def _check(args) -> None:
     """Flags that cannot mean anything, refused before a model loads or a request is sent."""
-    if args.num_requests is not None and args.num_requests < 1:
-        raise SystemExit(f"--num-requests must be >= 1, got {args.num_requests}")
-    if args.rate is not None and not (math.isfinite(args.rate) and args.rate >= 0):
-        raise SystemExit(f"--rate must be a finite number >= 0, got {args.rate}")
     if args.rate and args.workload in SPIKES:
         raise SystemExit(f"--rate: the {args.workload} workload times its own arrivals")
-    if args.vocab_size is not None and args.vocab_size < 2:
-        raise SystemExit(f"--vocab-size must be >= 2, got {args.vocab_size}")
     if args.url:
         local = [flag for flag, given in (("--set", args.set), ("--config", args.config), ("--policies", args.policies),
                                           ("--sweep", args.sweep)) if given]
@@ -96,8 +91,9 @@ def _check(args) -> None:
     twice = sorted({p for p in policies if policies.count(p) > 1})
     if twice:
         raise SystemExit(f"--policies: {', '.join(twice)} given more than once (a run is named by its policy)")
-    if args.sweep and _sweep(args.sweep)[0] in LOAD_KEYS:
-        raise SystemExit(f"--sweep {_sweep(args.sweep)[0]}: the model is loaded once for every run; "
+    swept = _sweep(args.sweep)[0] if args.sweep else None
+    if swept in LOAD_KEYS:
+        raise SystemExit(f"--sweep {swept}: the model is loaded once for every run; "
                          f"sweeping {'/'.join(LOAD_KEYS)} needs one engine-bench run per value")
 
 

@@ -47,7 +47,6 @@ MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
 MAX_REQUESTS = 10_000_000  # a trace is built in memory before the run: more is a typo, not a plan
 
 
-_count = positive_int
 _num_requests_arg = number(int, 1, high=MAX_REQUESTS)
 _positive = number(float, 0, strict=True)
 
@@ -73,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--step-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="draw each step's forward time around its prediction from the calibration's "
                         "actual/predicted ratios (seeded by --seed); --no-step-noise: exactly the prediction")
-    r.add_argument("--replicas", type=_count,
+    r.add_argument("--replicas", type=positive_int,
                    help="simulated engine replicas (default: the config's [cluster] replicas, where 0, engine-serve's "
                         "one engine in its own process, is 1)")
     r.add_argument("--router", choices=sorted(ROUTERS),
@@ -99,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--model", help="the model name to record; needed with --steps alone, as a steps file does not "
                                    "say which model ran it (--set model=NAME does too); --run: default the run's model")
     c.add_argument("--dtype", help="the dtype to record (default: the config's)")
-    c.add_argument("--max-model-len", type=_count, help="the model's context (--run: read from the model)")
+    c.add_argument("--max-model-len", type=positive_int, help="the model's context (--run: read from the model)")
     c.add_argument("--split-rows", type=number(int, 0),
                    help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
                         "the dense weights on this CPU: engine.cpu.NATIVE_MAX_ROWS, 8 on the AVX-512 path, 64 on "

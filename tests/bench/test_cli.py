@@ -15,14 +15,24 @@ from engine.bench import cli
 TINY = ["--model", "tiny-random", "--set", "num_blocks=256", "--no-plots"]
 
 
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--num-requests", "0"], "argument --num-requests: must be >= 1, got 0"),
+    (["--num-requests", "-1"], "argument --num-requests: must be >= 1, got -1"),
+    (["--rate", "-5"], "argument --rate: must be >= 0, got -5"),
+    (["--rate", "inf"], "argument --rate: must be a finite number, got inf"),
+    (["--rate", "nan"], "argument --rate: must be a finite number, got nan"),
+    (["--vocab-size", "0"], "argument --vocab-size: must be >= 2, got 0"),
+])
+def test_meaningless_flag_values_are_argparse_errors(argv, why, tmp_path, capsys):
+    """The same argparse types as engine-sim's (engine/cli_args.py): exit 2, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"engine-bench: error: {why}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--num-requests", "0"], "--num-requests must be >= 1"),
-    (["--num-requests", "-1"], "--num-requests must be >= 1"),
-    (["--rate", "-5"], "--rate must be a finite number >= 0"),
-    (["--rate", "inf"], "--rate must be a finite number >= 0"),
-    (["--rate", "nan"], "--rate must be a finite number >= 0"),
     (["--workload", "spike", "--rate", "2"], "--rate: the spike workload times its own arrivals"),
-    (["--vocab-size", "0"], "--vocab-size must be >= 2"),
     (["--policies", "chunked,chunked"], "--policies: chunked given more than once"),
     (["--policies", "fifo"], "--policies: config key 'policy'"),
     (["--sweep", "model=tiny-random,smollm2-135m"], "--sweep model: the model is loaded once for every run"),
