@@ -1,6 +1,7 @@
 """Static batching, the baseline, built faithfully so its waste can be measured.
 
-Gather up to `max_num_seqs` requests (or whatever arrived within `batch_timeout_ms`), pad
+Gather up to `max_num_seqs` requests (or whatever arrived within `batch_timeout_ms`, or as many
+as the waiting queue holds, `max_waiting`, when that is fewer: no more could join), pad
 every prompt to the longest and compute the padding, then decode until the longest request
 finishes: a finished request stays in the batch as one padding token per step, and its
 final output is delivered only when the batch ends. New requests wait for the whole batch.
@@ -26,6 +27,7 @@ class StaticPolicy(BasePolicy):
     def __init__(self, config):
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.timeout_s = config.scheduler.batch_timeout_ms / 1000
+        self.max_waiting = config.scheduler.max_waiting
         self.batch: list = []
 
     def schedule(self, view) -> list[Decision] | Idle:
@@ -45,7 +47,9 @@ class StaticPolicy(BasePolicy):
         left = view.waiting[0].arrival_time + self.timeout_s - view.now()
         # a wait under a microsecond is over: on the simulator's float clock, arrival + timeout
         # minus the arrival can stay ulps short of the timeout, and such an Idle moves no clock
-        if sum(r.num_seqs for r in view.waiting) < self.max_num_seqs and left > MIN_WAIT_S:
+        # a full waiting queue starts the batch too: intake refuses whatever would join it
+        filling = sum(r.num_seqs for r in view.waiting) < self.max_num_seqs and len(view.waiting) < self.max_waiting
+        if filling and left > MIN_WAIT_S:
             return Idle(left)
         decisions: list[Decision] = []
         admit_waiting(view, decisions, self.max_num_seqs)

@@ -26,3 +26,12 @@ def test_a_batch_pads_to_its_longest_prompt_and_holds_finished_requests():
     long.status = Status.FINISHED
     policy.end_step(view)
     assert view.released == [short, long] and not policy.batch  # the batch ends with its last request
+
+
+def test_a_full_waiting_queue_starts_the_batch_without_waiting_for_the_timeout():
+    # max_waiting < max_num_seqs: intake refuses a third request, so the batch cannot fill
+    policy = make_policy("static", config(max_num_seqs=8, max_waiting=2, batch_timeout_ms=60_000))
+    view = FakeView(waiting=[request(0, 3)])
+    assert isinstance(policy.schedule(view), Idle)  # room for one more: it waits
+    view.waiting.append(request(1, 5))
+    assert [(d.num_tokens, d.num_padding) for d in policy.schedule(view)] == [(3, 2), (5, 0)]

@@ -16,7 +16,7 @@ def request(i: int, prompt_len: int, computed: int = 0, outputs: int = 0, priori
 
 def config(**scheduler) -> SimpleNamespace:
     base = dict(max_num_seqs=64, max_num_batched_tokens=512, chunk_size=256, batch_timeout_ms=0, max_step_ms=0,
-                min_chunk=32)
+                min_chunk=32, max_waiting=1024)
     return SimpleNamespace(scheduler=SimpleNamespace(**{**base, **scheduler}),
                            cache=SimpleNamespace(enable_prefix_caching=True))
 
