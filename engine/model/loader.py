@@ -191,9 +191,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = 
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError) as e:  # a model_type this transformers does not know
-        raise ModelLoadError(f"{path}: cannot read config.json ({e}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
-    archs = tuple(getattr(config, "architectures", None) or ())
+    except Exception as e:  # noqa: BLE001 - an unknown model_type (ValueError), a value transformers' validation refuses, ...
+        said = " ".join(str(e).split())  # one line: huggingface_hub's validation errors span several
+        raise ModelLoadError(f"{path}: cannot read config.json ({type(e).__name__}: {said}); "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
+    # no `architectures`: the causal LM transformers builds for its model_type, as from_pretrained does
+    archs = tuple(getattr(config, "architectures", None) or ()) or _causal_lm_for(config.model_type)
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported architecture {archs or config.model_type!r}; "
@@ -206,11 +209,33 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, name: str, gguf: Path | None = 
     num_params = _safetensors_params(path)
     if num_params is not None:
         _require_memory(path.name, num_params, dtype, "as transformers loads them")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
+    model.eval()
     if type(model).__name__ != archs[0]:
         raise ModelLoadError(f"{path}: config.json names {archs[0]} but transformers built {type(model).__name__}")
+    _require_matching_weights(path, archs[0], info)
     tokenizer = open_tokenizer(path)
     return LoadedModel(model, tokenizer, name, gguf)
+
+
+def _causal_lm_for(model_type: str) -> tuple[str, ...]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return (name,) if name else ()
+
+
+def _require_matching_weights(path: Path, arch: str, info: dict) -> None:
+    """transformers fills a tensor the checkpoint lacks with its initialiser's values and drops
+    one the configured model has no place for (a bias under `attention_bias: false`), with a
+    log line only: either way the served model is not the checkpoint's."""
+    for key, problem in (("missing_keys", f"lacks tensors that {arch} as configured needs (they would be random)"),
+                         ("unexpected_keys", f"holds tensors that {arch} as configured has no place for (does "
+                                             "config.json match the weights?)")):
+        names = sorted(info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            raise ModelLoadError(f"{path}: the checkpoint {problem}: {shown}")
 
 
 def _gguf_header(path: Path) -> tuple[str | None, int | None]:

@@ -64,6 +64,54 @@ def test_local_hf_directory_round_trip(tmp_path, tiny_model, tiny_ours):
     torch.testing.assert_close(got[0], hf, atol=1e-4, rtol=1e-4)
 
 
+def _saved(tiny_model, where: Path, edit_config=None, edit_weights=None) -> Path:
+    """The tiny model saved as a Hugging Face directory, its config.json or weights edited."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model.hf_model.save_pretrained(where)
+    tiny_model.tokenizer.save_pretrained(where)
+    if edit_config:
+        config = json.loads((where / "config.json").read_text())
+        edit_config(config)
+        (where / "config.json").write_text(json.dumps(config))
+    if edit_weights:
+        weights = where / "model.safetensors"
+        state = load_file(weights)
+        edit_weights(state)
+        save_file(state, weights, metadata={"format": "pt"})
+    return where
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_not_filled_at_random(tmp_path, tiny_model):
+    path = _saved(tiny_model, tmp_path / "m", edit_weights=lambda st: st.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"lacks tensors .*model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(str(path), tmp_path / "cache")
+
+
+def test_a_checkpoint_with_tensors_the_config_has_no_place_for_is_refused(tmp_path, tiny_model):
+    # biases in the file, attention_bias false in config.json: transformers would drop them
+    def add_biases(state):
+        for i in range(tiny_model.hf_model.config.num_hidden_layers):
+            state[f"model.layers.{i}.self_attn.q_proj.bias"] = torch.ones(tiny_model.hf_model.config.hidden_size)
+
+    path = _saved(tiny_model, tmp_path / "m", edit_weights=add_biases)
+    with pytest.raises(ModelLoadError, match=r"no place for .*q_proj\.bias"):
+        load_model(str(path), tmp_path / "cache")
+
+
+def test_a_config_without_architectures_is_the_causal_lm_of_its_model_type(tmp_path, tiny_model):
+    path = _saved(tiny_model, tmp_path / "m", edit_config=lambda c: c.pop("architectures"))
+    assert type(load_model(str(path), tmp_path / "cache").hf_model).__name__ == "LlamaForCausalLM"
+
+
+def test_a_config_transformers_refuses_is_a_load_error_naming_the_file(tmp_path):
+    # Phi-3 takes only longrope scaling: huggingface_hub's validation error, which is no ValueError
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                                                      "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    with pytest.raises(ModelLoadError, match="cannot read config.json.*longrope"):
+        load_model(str(tmp_path), tmp_path / "cache")
+
+
 @pytest.mark.real_model
 def test_gguf_conversion_is_cached(real_model):
     # real_model has converted (or found) the GGUF in the shared cache dir already.
