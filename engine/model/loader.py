@@ -130,7 +130,9 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     if num_params is not None:
         _require_memory(gguf.name, num_params, torch.float32, "while transformers dequantizes the file")
     print(f"[stepwise] one-time conversion of {gguf.name} -> {target}", file=sys.stderr)
-    tmp = target.with_name(target.name + ".tmp")
+    _remove_abandoned(target)
+    # this process's own directory: replicas starting at once each convert, and the first to finish wins
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -145,9 +147,33 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         raise ModelLoadError(f"{gguf.name}: could not be converted through transformers' GGUF loader: "
                              f"{reason.splitlines()[-1] if reason else type(e).__name__}") from e
     (tmp / "done").write_text("ok\n")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    if not (target / "done").exists():
+        shutil.rmtree(target, ignore_errors=True)  # a conversion that did not finish
+        try:
+            tmp.rename(target)
+        except OSError:  # another process renamed its own conversion there in between
+            if not (target / "done").exists():
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)  # left over where another conversion finished first
     return target
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Conversion directories (`<target>.<pid>.tmp`) of processes that no longer run."""
+    for tmp in target.parent.glob(f"{target.name}.*.tmp"):
+        pid = tmp.name[len(target.name) + 1:-len(".tmp")]
+        if pid.isdigit() and not _is_running(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _content_key(gguf: Path, cache_dir: Path) -> str:

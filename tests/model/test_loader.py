@@ -127,7 +127,7 @@ def test_gguf_conversion_is_cached(real_model):
     assert second == first
     assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == mtimes  # nothing rewritten: not reconverted
     assert weights.stat().st_size > 100_000_000  # dequantized fp32 weights, not a stub
-    assert not first.with_name(first.name + ".tmp").exists()
+    assert not list(first.parent.glob(first.name + ".*tmp"))
 
 
 def test_conversion_cache_hit_skips_reconversion(tmp_path, monkeypatch, tiny_model):
@@ -215,6 +215,35 @@ def test_an_unsupported_gguf_architecture_is_refused_before_conversion(tmp_path)
     with pytest.raises(ModelLoadError, match="other.gguf: unsupported GGUF architecture 'gpt2'; supported: llama, "):
         load_model(str(tmp_path / "other.gguf"), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("other-*"))
+
+
+def test_conversions_racing_each_other_both_end_with_the_first_finished(tmp_path, monkeypatch, tiny_model):
+    """Two replicas starting at once on a fresh machine both convert: each writes its own
+    directory, and the one that finishes second keeps the first's (it used to delete the other's
+    half-written directory, failing that replica's start). An abandoned one is cleaned up."""
+    import engine.model.loader as loader
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_model.tokenizer)
+    target = cache / f"fake-{loader._content_key(gguf, cache)}"
+    abandoned = target.with_name(f"{target.name}.999999999.tmp")  # no such pid
+    abandoned.mkdir(parents=True)
+    racing = []
+
+    def the_other_replica_finishes_meanwhile(*args, **kwargs):
+        racing.append(sorted(p.name for p in cache.glob("fake-*")))
+        target.mkdir()
+        (target / "done").write_text("ok\n")
+        (target / "theirs").write_text("")
+        return tiny_model.hf_model
+
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", the_other_replica_finishes_meanwhile)
+    assert convert_gguf(gguf, cache) == target
+    assert racing == [[f"{target.name}.{os.getpid()}.tmp"]]  # its own directory; the abandoned one is gone
+    assert (target / "theirs").exists()  # the first finished conversion stays
+    assert sorted(p.name for p in cache.glob("fake-*")) == [target.name]  # nothing left over
 
 
 @pytest.mark.parametrize("cut", [None, 200])  # whole, or cut inside its header (an IndexError in gguf's reader)
