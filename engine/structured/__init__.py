@@ -1,6 +1,9 @@
 """Structured output: generation constrained by a grammar (a JSON Schema, or any JSON object).
 
     spec.py      StructuredOutput: the request's constraint, a value in SamplingParams
+    schema_check.py  check_schema(): refuse the keywords xgrammar would not enforce (no compile);
+                 pattern_check.py the regexes it would ignore in part or compile too slowly
+    schema_fix.py  json_schema_grammar(): xgrammar's grammar, its bounded strings kept valid JSON
     compiler.py  GrammarCache: schema → xgrammar CompiledGrammar, compiled off the event loop, LRU-cached
     mask.py      constrain() / advance(): the token bitmask applied to a step's logits, and the
                  sampled tokens fed back into each request's matcher
@@ -14,6 +17,7 @@ so the matcher is never used by two threads at once; between steps the scheduler
 exactly in step with the tokens it masked (the next step's mask needs this step's token).
 """
 
+from engine.structured.schema_check import check_schema
 from engine.structured.spec import StructuredOutput
 
-__all__ = ["StructuredOutput"]
+__all__ = ["StructuredOutput", "check_schema"]

@@ -12,7 +12,6 @@ a process stopping mid-compile exits without waiting for it.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -20,7 +19,7 @@ from collections import OrderedDict
 import xgrammar as xgr
 
 from engine.errors import RequestError
-from engine.structured.schema_fix import bounded_strings_as_patterns
+from engine.structured.schema_fix import json_schema_grammar
 from engine.structured.spec import StructuredOutput
 from engine.torch_thread import in_passing_thread
 
@@ -95,10 +94,7 @@ class GrammarCache:
                 # our own LRU decides what is kept; xgrammar's cache would keep a second copy
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         try:
-            # any_whitespace=False: JSON with single spaces after ',' and ':' only. A model may
-            # otherwise spend its whole budget on whitespace (small models do), never closing.
-            schema = json.dumps(bounded_strings_as_patterns(json.loads(spec.json_schema)))
-            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            return self._compiler.compile_grammar(json_schema_grammar(spec.json_schema))
         except RuntimeError as e:
             reason = _NATIVE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
             raise RequestError(f"{spec.param}: the JSON schema is not supported or invalid: {reason}",

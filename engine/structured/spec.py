@@ -8,6 +8,7 @@ import json
 import msgspec
 
 from engine.errors import RequestError
+from engine.structured.schema_check import check_schema
 
 # {"type": "json_object"}: any JSON object (OpenAI's JSON mode).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -29,6 +30,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
                     raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestError(f"{param}: a JSON schema must be an object or a boolean", param)
+            check_schema(schema, param)
             return cls(json_schema=canonical(schema), param=param)
         except RecursionError:
             raise RequestError(f"{param}: the JSON schema is nested too deeply", param) from None
@@ -38,7 +40,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         return self.json_schema
 
     def validate(self) -> None:
-        """Cheap checks; the grammar compiler (at intake) refuses what it cannot compile."""
+        """Cheap checks (check_schema: no keyword xgrammar would ignore); the grammar compiler
+        (at intake) refuses what it cannot compile."""
         try:
             schema = json.loads(self.json_schema)
         except (json.JSONDecodeError, TypeError) as e:
@@ -47,6 +50,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError(f"{self.param}: the JSON schema is nested too deeply", self.param) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{self.param}: a JSON schema must be an object or a boolean", self.param)
+        try:
+            check_schema(schema, self.param)
+        except RecursionError:
+            raise RequestError(f"{self.param}: the JSON schema is nested too deeply", self.param) from None
 
 
 def canonical(value: object) -> str:

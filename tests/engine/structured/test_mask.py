@@ -141,7 +141,7 @@ def test_schema_that_is_not_a_json_object_is_refused(schema):
 
 def test_length_bounded_strings_never_admit_control_characters(cache):
     """xgrammar's own rule for maxLength strings admits raw U+0000..U+001F (invalid JSON);
-    compiled through schema_fix they are refused, and the bounds still hold."""
+    through schema_fix they are refused, and the bounds still hold."""
     for schema in ({"type": "string", "maxLength": 3}, {"type": ["string", "null"], "minLength": 1, "maxLength": 3}):
         m = matcher(cache, schema)
         advance([m], ids('"'))
@@ -159,7 +159,7 @@ def test_length_bounded_strings_never_admit_control_characters(cache):
 
 def test_length_bounded_strings_never_admit_surrogates(cache):
     """A surrogate's 3-byte encoding (ED A0..BF xx) is not UTF-8: it decodes to three
-    replacement characters, so admitting it would break maxLength; the pattern leaves it out."""
+    replacement characters, so admitting it would break maxLength; the safe character class leaves it out."""
     m = matcher(cache, {"type": "string", "maxLength": 2})
     advance([m], ids('"'))
     byte_ids = byte_token_ids()
