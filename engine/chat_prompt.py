@@ -2,7 +2,10 @@
 the model's chat template. The engine's intake, the HTTP frontend (which measures a chat
 prompt to size its default max_tokens, then submits the token ids) and the cluster's ingress
 all render it here. `tools` (OpenAI's tool definitions) go to the template, which shows them
-to the model in its own format.
+to the model in its own format. A template that has no place for them (SmolLM2's renders only
+role and content) would drop them without a word, so the model would answer blind: the tools
+are then described in the system message in the Hermes format that tool_choice "auto" parses,
+and an assistant turn's earlier `tool_calls` are written into its content the same way.
 
 Encoding (`encode`): text of a completion gets the tokenizer's own special tokens (the BOS a
 Llama 3 or Gemma tokenizer adds; SmolLM2's adds none), as vLLM's completions and llama.cpp
@@ -10,6 +13,8 @@ do: Gemma 3 without its BOS answered "The capital of France is" with " France. T
 A rendered chat prompt already holds them (the template writes the BOS): none are added."""
 
 from __future__ import annotations
+
+import json
 
 from engine.errors import RequestError
 
@@ -32,7 +37,54 @@ def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) ->
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template (a pretrained, not instruction-tuned, model): "
                            "send a prompt to /v1/completions instead", "messages")
+    if any(m.get("tool_calls") for m in messages) and _render(tokenizer, messages) == _render(
+            tokenizer, [_without_calls(m) for m in messages]):
+        messages = [_calls_in_content(m) for m in messages]  # the template drops them
+    if tools:
+        shown = _render(tokenizer, messages, tools)
+        if shown != _render(tokenizer, messages):
+            return shown
+        messages = _tools_in_system(messages, tools)  # the template ignores them
+    return _render(tokenizer, messages)
+
+
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the model's template refused these messages (e.g. a role it lacks)
         raise RequestError(f"messages do not fit the chat template: {e}", "messages") from None
+
+
+TOOLS_PREAMBLE = (
+    "You can call functions to help answer. Their signatures, one JSON object each, are inside <tools></tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, answer with a JSON object holding its name and arguments inside <tool_call></tool_call>:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n</tool_call>'
+)
+
+
+def _tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+    preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{preamble}"}, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]
+
+
+def _without_calls(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "tool_calls"}
+
+
+def _calls_in_content(message: dict) -> dict:
+    """An assistant turn's calls as the Hermes blocks a model would have written for them."""
+    if not message.get("tool_calls"):
+        return message
+    blocks = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise RequestError("an assistant message's tool_calls must each have a function", "messages")
+        call_json = json.dumps({"name": function.get("name"), "arguments": function.get("arguments", {})},
+                               ensure_ascii=False)
+        blocks.append(f"<tool_call>\n{call_json}\n</tool_call>")
+    content = "\n".join([message["content"], *blocks] if message["content"] else blocks)
+    return {**_without_calls(message), "content": content}

@@ -59,8 +59,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}", "seed")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # a signed 64-bit integer, as vLLM's
+            raise RequestError(f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed!r}", "seed")
         if not all(self.stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
         if len(self.stop) > 16:
@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                                "min_tokens")
+        if self.min_tokens and self.structured_output is not None:  # a value ended early could sample nothing
+            raise RequestError(f"min_tokens cannot be combined with structured output ({self.structured_output.param}):"
+                               " the grammar decides where the output ends", "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

@@ -82,10 +82,18 @@ async def prompt_ids(state: ServerState, messages: list[dict], tools: list[dict]
 
 
 def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
-    """Room left in the context (and the KV pool) after the prompt; at least 1, so an
-    over-long prompt still reaches the engine and gets its context-length error."""
+    """Room left in the context (and the KV pool) after the prompt. Messages that leave none
+    are refused here: the engine's error would count a completion the client never asked for."""
     engine, cache = state.engine, state.engine.config.cache
-    return max(1, min(engine.max_model_len, cache.num_blocks * cache.block_size) - num_prompt_tokens)
+    pool = cache.num_blocks * cache.block_size
+    room = min(engine.max_model_len, pool)
+    if num_prompt_tokens >= room:
+        limit = (f"This model's maximum context length is {room} tokens" if room == engine.max_model_len else
+                 f"The KV cache holds {room} tokens")
+        raise ApiError(400, f"{limit}. However, your messages resulted in {num_prompt_tokens} tokens, which leaves "
+                            "no room for a completion. Please reduce the length of the messages.",
+                       param="messages", code="context_length_exceeded")
+    return room - num_prompt_tokens
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -127,7 +135,7 @@ async def _complete(request: web.Request, state: ServerState, raw: bytes, body: 
         if tools.mode == "forced":
             return ForcedCalls(base)
         if tools.mode == "auto":
-            return HermesCalls(base, frozenset(t.function.name for t in body.tools))
+            return HermesCalls(base, tools.declared)
         return base
 
     return await generate(request, state, [Job(prompt, messages, params, body.stream, body.include_usage)], make)

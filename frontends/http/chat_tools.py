@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from frontends.http.protocol import AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, Delta, Usage
-from frontends.http.tool_calls import HERMES_OPEN, held_back, new_call_id, parse_hermes, scan_calls
+from frontends.http.tool_calls import HERMES_OPEN, Declared, held_back, new_call_id, parse_hermes, scan_calls
 from frontends.http.tool_protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class ForcedCalls:
 @dataclass
 class HermesCalls:
     base: ChatRenderer
-    names: frozenset[str]  # the request's tools: a call of another name is text
+    declared: Declared  # the request's tools: a call of another name (or refused arguments) is text
     pending: str = ""  # received, not yet sent: a possible "<tool_call>" start, or all text from one on
 
     @property
@@ -99,17 +99,17 @@ class HermesCalls:
         chunks = []
         if finish_reason is None:
             if HERMES_OPEN in self.pending:
-                head = self.pending[: self.pending.index(HERMES_OPEN)]
+                head = self.pending[: self.pending.index(HERMES_OPEN)].rstrip()
             else:
                 head = self.pending[: len(self.pending) - held_back(self.pending)]
             if head:
                 self.pending = self.pending[len(head):]
                 chunks.append(_chunk(self.base, Delta(content=head)))
             return chunks
-        _, calls = parse_hermes(self.pending, self.names)
+        _, calls = parse_hermes(self.pending, self.declared)
         if not calls:
             return [_chunk(self.base, Delta(content=self.pending) if self.pending else Delta(), finish_reason)]
-        head = self.pending[: self.pending.index(HERMES_OPEN)]
+        head = self.pending[: self.pending.index(HERMES_OPEN)].rstrip()
         if head:  # text before the call that arrived with the final delta
             chunks.append(_chunk(self.base, Delta(content=head)))
         deltas = [ToolCallDelta(i, new_call_id(), "function", FunctionCallDelta(name=name, arguments=arguments))
@@ -120,7 +120,7 @@ class HermesCalls:
         return self.base.usage_chunk(usage)
 
     def whole(self, out: RequestOutput, usage: Usage) -> ChatCompletion:
-        content, calls = parse_hermes(out.text, self.names)
+        content, calls = parse_hermes(out.text, self.declared)
         if not calls:
             return self.base.whole(out, usage)
         tool_calls = [ToolCall(new_call_id(), "function", FunctionCall(name, arguments)) for name, arguments in calls]

@@ -6,7 +6,8 @@ stream can send a call's name as soon as it is complete and then its arguments a
 the arguments are the generated text itself (never re-serialised), so the streamed fragments
 concatenate to exactly the non-streamed `arguments`.
 
-`parse_hermes` reads the Hermes format that SmolLM2's and Qwen's chat templates teach:
+`parse_hermes` reads the Hermes format of Qwen's chat templates (and of the tool description
+engine/chat_prompt.py writes where a template has none, as SmolLM2's):
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, for tool_choice "auto".
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _CALL_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -88,10 +89,30 @@ def value_end(text: str, start: int) -> int | None:
     return None
 
 
-def parse_hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    """(content before the first call or the whole text, [(name, arguments JSON)]). No calls
+@dataclass(frozen=True)
+class Declared:
+    """The request's tools, as tool_choice "auto" reads the model's calls against them."""
+
+    names: frozenset[str]
+    strict: dict[str, dict] = field(default_factory=dict)  # the parameters of tools declared `strict: true`
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+
+    def accepts(self, name: object, arguments: dict) -> bool:
+        """A call of a declared function; a strict one's arguments valid against its parameters."""
+        if name not in self.names:
+            return False
+        if name not in self.strict:
+            return True
+        from jsonschema import Draft202012Validator  # checked at the request: the schema is valid
+
+        return Draft202012Validator(self.strict[name]).is_valid(arguments)
+
+
+def parse_hermes(text: str, declared: Declared) -> tuple[str | None, list[tuple[str, str]]]:
+    """(content before the first call, or the whole text; [(name, arguments JSON)]). No calls
     when any `<tool_call>` block is not a {"name": str, "arguments": object} JSON object, or
-    names a function not in `names` (the request's tools): never a call of an undeclared one."""
+    is not a call `declared` accepts: never a call of an undeclared function, nor a strict
+    function's call with arguments its parameters refuse."""
     blocks = _HERMES.findall(text)
     if not blocks:
         return text, []
@@ -101,7 +122,7 @@ def parse_hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[tup
             call = json.loads(block)
         except json.JSONDecodeError:
             return text, []
-        if not (isinstance(call, dict) and call.get("name") in names):
+        if not isinstance(call, dict):
             return text, []
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments as a JSON string already
@@ -109,17 +130,21 @@ def parse_hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[tup
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 return text, []
-        if not isinstance(arguments, dict):
+        if not (isinstance(arguments, dict) and declared.accepts(call.get("name"), arguments)):
             return text, []
         calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
-    content = text[: text.index(HERMES_OPEN)].strip()
-    return content or None, calls
+    # the text before the call, without the whitespace that led to it (as a stream sends it)
+    content = text[: text.index(HERMES_OPEN)].rstrip()
+    return content or None, calls if declared.parallel else calls[:1]
 
 
 def held_back(text: str) -> int:
-    """How many trailing characters of streamed free text might begin `<tool_call>` (so must
-    wait for the next delta before they can be sent as content)."""
+    """How many trailing characters of streamed free text must wait for the next delta before
+    they can be sent as content: those that might begin `<tool_call>`, and the whitespace before
+    them (a call's content leaves out the whitespace that led to it)."""
     for n in range(min(len(text), len(HERMES_OPEN) - 1), 0, -1):
         if HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
+            break
+    else:
+        n = 0
+    return len(text) - len(text[: len(text) - n].rstrip())

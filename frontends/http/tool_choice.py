@@ -1,8 +1,10 @@
 """What a chat request's `tools` + `tool_choice` ask of generation.
 
 - "none": plain text (the tools still reach the chat template, as vLLM does by default);
-- "auto": free text; a call written in the template's Hermes format (`<tool_call>{json}</tool_call>`,
-  SmolLM2 / Qwen) is parsed from the finished text (tool_calls.parse_hermes);
+- "auto": free text; a call written in the Hermes format (`<tool_call>{json}</tool_call>`: Qwen's
+  templates, or engine/chat_prompt.py's description where the template has none) is parsed from
+  the finished text (tool_calls.parse_hermes); a strict function's call only if its arguments
+  are valid, and only the first with parallel_tool_calls false;
 - "required" / a named function: forced. Generation is constrained to the JSON schema of the
   call(s), `{"name": ..., "arguments": {...}}` with the name first, so any model returns valid
   calls (tool_calls.scan_calls reads them, whole or while streaming). "required" with parallel
@@ -11,16 +13,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
 from engine import StructuredOutput
-from frontends.http.errors import ApiError
+from engine.errors import RequestError
+from frontends.http.errors import ApiError, from_engine
+from frontends.http.tool_calls import Declared
 from frontends.http.tool_protocol import NamedToolChoice, Tool, ToolChoice
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class ToolPlan:
     mode: Literal["none", "auto", "forced"]
     tools: list[dict] | None  # for the chat template (OpenAI's shape)
     structured_output: StructuredOutput | None = None  # forced: the calls' grammar
+    declared: Declared = field(default_factory=lambda: Declared(frozenset()))  # auto: what a call may be
 
 
 def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool | None) -> ToolPlan:
@@ -35,25 +42,26 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
         if tool_choice is not None and tool_choice != "none":
             raise ApiError(400, "tool_choice needs tools: no tools were given", param="tool_choice")
         return ToolPlan("none", None)
-    names = [t.function.name for t in tools]
     for i, t in enumerate(tools):
-        if t.type != "function":
-            raise ApiError(400, f"tools[{i}].type must be \"function\", got {t.type!r}", param=f"tools[{i}].type")
-        if not t.function.name:
-            raise ApiError(400, f"tools[{i}].function.name must not be empty", param=f"tools[{i}].function.name")
+        _check_tool(i, t)
+    names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ApiError(400, "tool function names must be unique", param="tools")
     template_tools = [msgspec.to_builtins(t) for t in tools]
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, template_tools)
+        strict = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools if t.function.strict}
+        return ToolPlan(choice, template_tools, declared=Declared(frozenset(names), strict, parallel_tool_calls is not False))
     if choice == "required":
         one = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
         schema = one if parallel_tool_calls is False else {"type": "array", "items": one, "minItems": 1}
         return ToolPlan("forced", template_tools, StructuredOutput.from_schema(schema, "tools"))
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function":
-            raise ApiError(400, f"tool_choice.type must be \"function\", got {choice.type!r}", param="tool_choice")
+            raise ApiError(400, f"tool_choice.type {choice.type!r} is not supported: only \"function\"",
+                           param="tool_choice")
+        if choice.function is None:
+            raise ApiError(400, "tool_choice.function is required: {\"name\": ...}", param="tool_choice")
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
             raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
@@ -61,6 +69,38 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
         return ToolPlan("forced", template_tools, StructuredOutput.from_schema(call_schema(chosen[0]), "tools"))
     raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
+
+
+def _check_tool(i: int, tool: Tool) -> None:
+    """A function tool whose name a call can carry and whose parameters are a JSON schema of an
+    object that we can enforce: checked whatever tool_choice is (a strict one's calls are
+    validated against it under "auto", and any may be forced)."""
+    where = f"tools[{i}]"
+    if tool.type != "function":
+        raise ApiError(400, f"{where}.type {tool.type!r} is not supported: only \"function\" tools",
+                       param=f"{where}.type")
+    if tool.function is None:
+        raise ApiError(400, f"{where}.function is required", param=f"{where}.function")
+    if not FUNCTION_NAME.fullmatch(tool.function.name):
+        raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes, "
+                            f"got {tool.function.name[:80]!r}", param=f"{where}.function.name")
+    parameters = tool.function.parameters
+    if parameters is None:
+        return
+    param = f"{where}.function.parameters"
+    if parameters.get("type", "object") != "object":
+        raise ApiError(400, f"{param} must describe an object (the call's arguments), got type "
+                            f"{parameters['type']!r}", param=param)
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(parameters)  # a strict tool's calls are validated against it
+    except SchemaError as e:
+        raise ApiError(400, f"{param} is not a valid JSON schema: {e.message}", param=param) from None
+    try:
+        StructuredOutput.from_schema(parameters, param)
+    except RequestError as e:
+        raise from_engine(e) from None
 
 
 def call_schema(tool: Tool) -> dict:

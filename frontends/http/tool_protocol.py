@@ -7,16 +7,16 @@ from msgspec import UNSET, Struct, UnsetType
 # --- requests -------------------------------------------------------------------------------
 
 
-class FunctionDef(Struct, kw_only=True):
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):  # the template sees only the fields sent
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON Schema; absent = a function without parameters
     strict: bool | None = None
 
 
-class Tool(Struct, kw_only=True):
+class Tool(Struct, kw_only=True, omit_defaults=True):
     type: str
-    function: FunctionDef
+    function: FunctionDef | None = None  # required of a "function" tool; other types (custom) have none
 
 
 class FunctionName(Struct, kw_only=True):
@@ -25,7 +25,7 @@ class FunctionName(Struct, kw_only=True):
 
 class NamedToolChoice(Struct, kw_only=True):
     type: str
-    function: FunctionName
+    function: FunctionName | None = None  # required of a "function" choice; other types (allowed_tools) have none
 
 
 ToolChoice = str | NamedToolChoice  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}

@@ -31,6 +31,45 @@ def test_a_model_without_a_chat_template_points_to_completions():
     assert e.value.param == "messages"
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALLED = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def test_tools_a_template_ignores_are_described_in_the_system_message():
+    """The tiny template (as SmolLM2's) renders role and content only: the tools used to vanish,
+    so the model answered without knowing them."""
+    tok = tiny_tokenizer()
+    prompt = chat_prompt(tok, MESSAGES, [TOOL])
+    assert prompt.startswith("<|im_start|>system\n") and "<tools>" in prompt and '"get_weather"' in prompt
+    assert '"Weather in a city"' in prompt and "<tool_call>" in prompt  # the format "auto" parses
+    assert prompt.endswith(chat_prompt(tok, MESSAGES))  # then the conversation as before
+    system = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    with_system = chat_prompt(tok, system, [TOOL])
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n") and with_system.count("<|im_start|>system") == 1
+
+
+def test_tools_a_template_renders_are_left_to_it():
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}" + tok.chat_template
+    prompt = chat_prompt(tok, MESSAGES, [TOOL])
+    assert prompt.startswith("TOOLS:") and "<tools>" not in prompt
+
+
+def test_earlier_calls_a_template_drops_are_written_in_their_turn():
+    """An assistant turn of calls rendered as an empty turn: a history that called with Paris and
+    one that called with Berlin gave the model the same prompt."""
+    prompt = chat_prompt(tiny_tokenizer(), CALLED)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert prompt.index("<tool_call>") < prompt.index("sunny")
+    tok = copy.deepcopy(tiny_tokenizer())  # a template that renders calls itself keeps its own form
+    tok.chat_template = tok.chat_template.replace("{{ m['content'] }}", "{{ m['content'] }}{{ m.get('tool_calls', '') }}")
+    assert "<tool_call>" not in chat_prompt(tok, CALLED) and "Paris" in chat_prompt(tok, CALLED)
+
+
 @pytest.mark.parametrize("messages,match", [("hi", "must be a list"), ([], "must not be empty"),
                                             ([{"role": "user"}], "must be a list")])
 def test_malformed_messages_are_named(messages, match):

@@ -14,6 +14,7 @@ from engine import Engine, SamplingParams
 from engine.errors import ContextLengthError, EngineDeadError, RequestError
 from engine.model import loader
 from engine.model.tiny import tiny_llama
+from engine.request import Request
 from tests.engine.util import greedy, run_request, tiny_config
 
 # params a library caller can build (SamplingParams does no checks when constructed) that the
@@ -62,6 +63,28 @@ def test_well_typed_params_pass_the_type_check():
     SamplingParams(temperature=1, top_p=1, logit_bias={5: 2}, stop=["a"], stop_token_ids=[3], seed=0).validate()
     # subclasses of float and int are the numbers they are (numpy.float64 used to pass, and must still)
     SamplingParams(temperature=np.float64(0.5), top_p=np.float64(0.9), priority=Level.HIGH).validate()
+
+
+def test_a_seed_is_any_signed_64_bit_integer_as_in_vllm():
+    """A negative seed (OpenAI takes any integer, vLLM the int64 range) used to be a 400."""
+    for seed in (-1, -(2**63), 2**63 - 1):
+        SamplingParams(seed=seed, temperature=1).validate()
+        assert Request("r", [1], SamplingParams(seed=seed, temperature=1), None, None, 0).generator is not None
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(RequestError, match="64-bit") as refused:
+            SamplingParams(seed=seed).validate()
+        assert refused.value.param == "seed"
+
+
+def test_min_tokens_is_refused_with_structured_output():
+    """A JSON value complete before min_tokens left no token to sample: the request ran to the
+    end, then failed with a 500."""
+    from engine import StructuredOutput
+
+    with pytest.raises(RequestError, match="min_tokens cannot be combined with structured output") as refused:
+        SamplingParams(min_tokens=5, structured_output=StructuredOutput.from_schema({"type": "object"})).validate()
+    assert refused.value.param == "min_tokens"
+    SamplingParams(structured_output=StructuredOutput.from_schema({"type": "object"})).validate()
 
 
 @pytest.mark.parametrize("request_id", ["", 5, b"id"])

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from engine import Engine, EngineDeadError, SamplingParams, StructuredOutput
+from engine.errors import RequestError
 from tests.engine.util import StepRecorder, assert_drained, greedy, run_all, run_request, tiny_config
 
 PROMPTS = [list(range(10 + i, 50 + 2 * i)) for i in range(4)]  # 40..46 tokens: several whole blocks
@@ -167,13 +168,19 @@ async def test_a_failure_streak_is_reset_by_a_good_step(tiny_model):
 
 
 @pytest.mark.parametrize("policy", ["continuous", "chunked", "static"])
-async def test_a_row_with_nothing_to_sample_fails_alone(tiny_model, policy):
+async def test_a_row_with_nothing_to_sample_fails_alone(tiny_model, policy, monkeypatch):
     """Structured output whose grammar must end while min_tokens still masks EOS leaves its row
-    no token: that request ends with an error saying why, the others in its steps go on, and
-    repeats of it are not failed steps (three used to kill the engine). min_p under a grammar
-    keeps a token: the grammar masks first, so min_p's most likely token is an allowed one."""
+    no token. Such a request is refused at submit now (a 400 naming min_tokens); the executor's
+    defence behind that check is tested here with the check skipped: that request ends with an
+    error saying why, the others in its steps go on, and repeats of it are not failed steps
+    (three used to kill the engine). min_p under a grammar keeps a token: the grammar masks
+    first, so min_p's most likely token is an allowed one."""
     boolean, anything = StructuredOutput.from_schema({"type": "boolean"}), StructuredOutput.from_schema({"type": "object"})
     stuck = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, structured_output=boolean)
+    with pytest.raises(RequestError, match="min_tokens cannot be combined with structured output"):
+        stuck.validate()
+    checked = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda p: checked(msgspec.structs.replace(p, min_tokens=0)))
     min_p = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.9, seed=1, structured_output=anything)
     # ignore_eos leaves EOS unmasked: the grammar ends on it and the request runs on (a matcher asked
     # for a mask after its end used to raise, failing the step)

@@ -101,7 +101,8 @@ async def test_context_length(tiny):
     resp = await client.post(CHAT, json={"messages": [{"role": "user", "content": "a" * 2100}]})  # default max_tokens
     assert resp.status == 400  # chat has no `prompt`: the error names the field the client sent, as vLLM's does
     assert_openai_error(await resp.json(), "messages", "maximum context length is 2048 tokens")
-    assert "in the messages" in (await resp.json())["error"]["message"]
+    message = (await resp.json())["error"]["message"]  # no completion counted: the client asked for none
+    assert "your messages resulted in" in message and "for the completion" not in message
     resp = await client.post(CHAT, json={"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 2048})
     assert (await resp.json())["error"]["param"] == "max_completion_tokens"
     await ok(client)
@@ -146,9 +147,14 @@ async def test_api_key(tiny_model):
 
 
 async def test_queue_full_is_503_with_retry_after(tiny_model):
-    # Static batching waiting a minute for its batch to fill: the first request sits in the queue.
-    config = tiny_config(policy="static", batch_timeout_ms=60_000, max_waiting=1)
+    # A long request holds the only slot; the next one waits for it and fills the queue. (A static
+    # batch gathering requests no longer holds a full queue: it starts, as none could join it.)
+    config = tiny_config(policy="continuous", max_num_seqs=1, max_waiting=1)
     async with serving(tiny_model, config) as (engine, client):
+        long = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}
+        running = asyncio.create_task(client.post(COMPLETIONS, json=long))
+        while not engine.snapshot().running:
+            await asyncio.sleep(0.01)
         first = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}))
         while not engine.snapshot().waiting:
             await asyncio.sleep(0.01)
@@ -159,7 +165,8 @@ async def test_queue_full_is_503_with_retry_after(tiny_model):
         assert_openai_error(data, None, "waiting queue is full")
         assert data["error"]["code"] == "queue_full"
         first.cancel()  # disconnects: the waiting request is aborted and the queue empties
-        while engine.snapshot().waiting:
+        running.cancel()
+        while engine.snapshot().waiting or engine.snapshot().running:
             await asyncio.sleep(0.01)
 
 

@@ -13,7 +13,7 @@ from engine import RequestOutput
 from frontends.http.chat import ChatRenderer
 from frontends.http.chat_tools import ForcedCalls, HermesCalls
 from frontends.http.protocol import Usage
-from frontends.http.tool_calls import held_back, parse_hermes, scan_calls, value_end
+from frontends.http.tool_calls import Declared, held_back, parse_hermes, scan_calls, value_end
 
 ONE = '{"name": "get_weather", "arguments": {"city": "Par}is\\"", "days": [1, {"x": 2}]}}'
 MANY = '[{"name": "a", "arguments": {}}, {"name": "b\\"q", "arguments": {"n": -1.5e3}}]'
@@ -52,12 +52,28 @@ def test_value_end():
 
 def test_parse_hermes():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_hermes(text, frozenset({"get_weather"}))
+    content, calls = parse_hermes(text, Declared(frozenset({"get_weather"})))
     assert content == "Let me check."
     assert calls == [("get_weather", '{"city": "Paris"}')]
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}</tool_call>'
-    assert parse_hermes(two, frozenset("ab")) == (None, [("a", "{}"), ("b", '{"x": 1}')])
-    assert parse_hermes(two, frozenset("a")) == (two, [])  # b is not a declared tool: text, never its call
+    assert parse_hermes(two, Declared(frozenset("ab"))) == (None, [("a", "{}"), ("b", '{"x": 1}')])
+    assert parse_hermes(two, Declared(frozenset("a"))) == (two, [])  # b is not a declared tool: text, never its call
+    # parallel_tool_calls false: the first call only (both were returned)
+    assert parse_hermes(two, Declared(frozenset("ab"), parallel=False)) == (None, [("a", "{}")])
+
+
+def test_a_strict_functions_call_is_a_call_only_with_valid_arguments():
+    """`strict: true` under "auto" was not enforced: a call with arguments its parameters refuse
+    came back as a call."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}
+    declared = Declared(frozenset({"w", "loose"}), strict={"w": city})
+    good = '<tool_call>{"name": "w", "arguments": {"city": "Paris"}}</tool_call>'
+    bad = '<tool_call>{"name": "w", "arguments": {"town": 5}}</tool_call>'
+    assert parse_hermes(good, declared) == (None, [("w", '{"city": "Paris"}')])
+    assert parse_hermes(bad, declared) == (bad, [])  # text, as a call of an undeclared function
+    loose = '<tool_call>{"name": "loose", "arguments": {"town": 5}}</tool_call>'
+    assert parse_hermes(loose, declared) == (None, [("loose", '{"town": 5}')])  # not strict: as written
 
 
 @pytest.mark.parametrize("text", [
@@ -68,14 +84,15 @@ def test_parse_hermes():
     '<tool_call>{"name": "a", "arguments": {}}',  # never closed
 ])
 def test_parse_hermes_answers_text_when_it_is_not_a_call(text):
-    assert parse_hermes(text, frozenset("a")) == (text, [])
+    assert parse_hermes(text, Declared(frozenset("a"))) == (text, [])
 
 
 def test_held_back():
-    assert held_back("hello <tool") == 5
-    assert held_back("hello <") == 1
+    assert held_back("hello <tool") == 6  # with the whitespace before it
+    assert held_back("hello <") == 2
     assert held_back("hello") == 0
     assert held_back("a < b") == 0
+    assert held_back("hello\n\n") == 2  # whitespace that may lead to a call
 
 
 def out(text: str, finish_reason: str | None) -> RequestOutput:
@@ -132,12 +149,17 @@ def test_forced_cut_short_keeps_its_reason_and_whole_equals_streamed(cut, reason
 
 @pytest.mark.parametrize("text, n_calls", [
     ('Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>', 1),
+    ('Sure, checking.\n\n<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>', 1),
     ('Sure. <tool_call>{"name": "zz", "arguments": {"x": 1}}</tool_call>', 0),  # not a declared tool: text
     ("plain answer with a < sign and <tool but no call", 0),
+    ("a plain answer that ends in whitespace \n", 0),
 ])
-def test_hermes_stream_adds_up_to_the_whole(text, n_calls):
-    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
-    content, calls, reason = streamed(HermesCalls(base(), frozenset("ab")), pieces, "stop")
-    w_content, w_calls, w_reason = whole(HermesCalls(base(), frozenset("ab")), text, "stop")
+@pytest.mark.parametrize("size", [1, 4])
+def test_hermes_stream_adds_up_to_the_whole(text, n_calls, size):
+    """The stream sent the whitespace before a call as content ('Sure, checking.\\n\\n'), the
+    whole answer did not."""
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    content, calls, reason = streamed(HermesCalls(base(), Declared(frozenset("ab"))), pieces, "stop")
+    w_content, w_calls, w_reason = whole(HermesCalls(base(), Declared(frozenset("ab"))), text, "stop")
     assert calls == w_calls and reason == w_reason and len(calls) == n_calls
-    assert content.strip() == (w_content or "")
+    assert content == (w_content or "")

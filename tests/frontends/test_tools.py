@@ -104,10 +104,20 @@ async def test_none_and_auto_answer_text_when_no_call_is_written(client):
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "missing"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "x"}}]), "tools[0].type"),
+    (dict(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools[0].type"),  # not "function missing"
+    (dict(tools=[{"type": "function"}]), "tools[0].function"),
     (dict(tools=TOOLS + TOOLS[:1]), "tools"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
-          tool_choice="required"), "tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
+     "tool_choice"),
+    (dict(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice"),
+    # a tool's parameters are checked whatever tool_choice is: they used to pass under auto and none
+    *[(dict(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": parameters}}],
+            tool_choice=tool_choice), "tools[1].function.parameters")
+      for parameters in ({"type": "foo"}, {"type": "string"}, {"type": "object", "required": "city"})
+      for tool_choice in ("required", "auto", "none")],
+    *[(dict(tools=[{"type": "function", "function": {"name": name}}]), "tools[0].function.name")
+      for name in ("", "get weather", "x" * 65, 'f"')],
 ])
 async def test_bad_tools_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
