@@ -1,7 +1,7 @@
 """POST /tokenize, POST /detokenize, GET /version, in vLLM's shapes.
 
 /tokenize takes a `prompt` or chat `messages` (rendered through the chat template, as a chat
-request is) and answers the ids the engine would see: `add_special_tokens` defaults to what
+request is, with its `tools` if given: checked and shown to the model as chat shows them) and answers the ids the engine would see: `add_special_tokens` defaults to what
 the engine does (a prompt gets the tokenizer's special tokens, a rendered chat none), as
 vLLM's defaults for the two are. A field these requests do not have is refused with a 400
 naming it, as the generation endpoints refuse theirs (frontends/http/fields.py).
@@ -23,12 +23,15 @@ from frontends.http.generate import ensure_ready
 from frontends.http.models import check_model
 from frontends.http.protocol import ChatMessage, decode
 from frontends.http.state import STATE
+from frontends.http.tool_choice import plan_tools
+from frontends.http.tool_protocol import Tool
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages, as chat renders them
     add_special_tokens: bool | None = None  # None: as the engine encodes (engine/chat_prompt.py)
     return_token_strs: bool = False
 
@@ -59,12 +62,15 @@ async def tokenize(request: web.Request) -> web.Response:
     check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.tools and body.messages is None:
+        raise ApiError(400, "tools are rendered with chat messages: give messages, not prompt", param="tools")
+    tools = plan_tools(body.tools, None, None).tools
     ensure_ready(state)
     tokenizer = state.engine.tokenizer
 
     def run() -> list[int]:
         chat = body.messages is not None
-        text = chat_prompt(tokenizer, [m.as_dict() for m in body.messages]) if chat else body.prompt
+        text = chat_prompt(tokenizer, [m.as_dict() for m in body.messages], tools) if chat else body.prompt
         if body.add_special_tokens is None:
             return encode(tokenizer, text, chat)
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

@@ -32,3 +32,20 @@ async def test_tokenize_errors_and_version(tiny):
         assert resp.status == 400 and error["param"] == next(iter(body.keys() - {"prompt", "tokens"})), error
     resp = await client.get("/version")
     assert resp.status == 200 and isinstance((await resp.json())["version"], str)
+
+
+async def test_tokenize_renders_tools_as_chat_does(tiny):
+    """/tokenize refused `tools`, so a client could not see how its tools reach the model."""
+    _, client = tiny
+    messages = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plain = await (await client.post("/tokenize", json={"messages": messages})).json()
+    with_tools = await (await client.post("/tokenize", json={"messages": messages, "tools": tools})).json()
+    usage = (await (await client.post("/v1/chat/completions", json={
+        "messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 1})).json())["usage"]
+    assert with_tools["count"] == usage["prompt_tokens"] > plain["count"]
+    resp = await client.post("/tokenize", json={"prompt": "hi", "tools": tools})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tools"
+    resp = await client.post("/tokenize", json={"messages": messages, "tools": [{"type": "function",
+                                                                                "function": {"name": "a b"}}]})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "tools[0].function.name"
