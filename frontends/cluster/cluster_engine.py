@@ -9,7 +9,8 @@ chain, asks the `Router` for a replica, and opens the replica's `generate` strea
 replica's first item says whether its engine accepted the request (a refusal raises the
 same engine error here). A replica that cannot be reached — the call fails, or the health
 task marks it down (dead, or hung) before it answers — is given up and the next one is
-tried. `stream` relays the replica's outputs; if the replica dies or is marked down (a hung
+tried, as is the next one when a replica's waiting queue is full (a prefix-routed prompt
+would otherwise be refused while another replica idles). `stream` relays the replica's outputs; if the replica dies or is marked down (a hung
 one: no answer to the health probe for 5 s) mid-stream, or cannot be told to abort within
 ABORT_TIMEOUT_S (shutdown must not wait for it), the stream ends with a final output
 `finish_reason="error"` (the frontend turns it into an SSE error event and [DONE]). A health task probes every replica and marks it up when it answers.
@@ -80,6 +81,10 @@ class ClusterEngine:
         """Requests that may wait at once: every replica's max_waiting."""
         return self.config.scheduler.max_waiting * len(self.handles)
 
+    # not ready once started means every replica is marked down (hung, dead or restarting)
+    unready = ("unavailable", "replicas_unavailable", "no engine replica is up (each is down or restarting); "
+               "retry shortly")
+
     @property
     def ready(self) -> bool:
         return not self.dead and bool(self.router.healthy)
@@ -107,8 +112,9 @@ class ClusterEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
+        full: dict[str, Exception] = {}  # replicas whose waiting queue refused it: the others may have room
         for _ in range(len(self.handles)):
-            name = self.router.route(hashes, len(ids) / self.config.cache.block_size)
+            name = self.router.route(hashes, len(ids) / self.config.cache.block_size, frozenset(full))
             if name is None:
                 break
             outputs = self._streaming[name].generate.remote(ids, params, request_id)
@@ -126,10 +132,16 @@ class ClusterEngine:
             if verdict != ACCEPTED:
                 outputs.cancel()
                 self.router.release(name)
-                raise _refusal_error(verdict)
+                refused = _refusal_error(verdict)
+                if isinstance(refused, QueueFullError):
+                    full[name] = refused
+                    continue
+                raise refused
             self._remotes[request_id] = _Remote(name, outputs, params.n, asyncio.get_running_loop().create_future())
             self._remember(request_id, name)
             return request_id
+        if full:
+            raise next(iter(full.values()))
         raise EngineDeadError("no engine replica is available")
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:

@@ -56,11 +56,13 @@ class Router:
 
     # --- routing ----------------------------------------------------------------------------
 
-    def choose(self, hashes: Sequence[bytes], prompt_blocks: float | None = None) -> str | None:
+    def choose(self, hashes: Sequence[bytes], prompt_blocks: float | None = None,
+               exclude: frozenset[str] = frozenset()) -> str | None:
         """The replica for a prompt with this block-hash chain (of its full blocks; `prompt_blocks`:
-        its length in blocks, partial one included, default len(hashes)); None when none is healthy."""
+        its length in blocks, partial one included, default len(hashes)), other than `exclude`
+        (replicas that just refused it: their queue is full); None when none is healthy."""
         live = [self.names[(self._turn + i) % len(self.names)] for i in range(len(self.names))]
-        live = [n for n in live if n in self.healthy]
+        live = [n for n in live if n in self.healthy and n not in exclude]
         if not live:
             return None
         least = min(live, key=self.load.__getitem__)  # first of the minima, starting at the cursor
@@ -86,9 +88,10 @@ class Router:
                    rel_threshold=cluster.balance_rel_threshold, max_prefix_entries=cluster.max_prefix_entries,
                    min_share=cluster.prefix_min_share)
 
-    def route(self, hashes: Sequence[bytes], prompt_blocks: float | None = None) -> str | None:
+    def route(self, hashes: Sequence[bytes], prompt_blocks: float | None = None,
+              exclude: frozenset[str] = frozenset()) -> str | None:
         """Choose, count the request in flight there, and remember its prefix there."""
-        name = self.choose(hashes, prompt_blocks)
+        name = self.choose(hashes, prompt_blocks, exclude)
         if name is None:
             return None
         self._turn = (self.names.index(name) + 1) % len(self.names)  # next time, start after it

@@ -86,6 +86,20 @@ def shutting_down() -> ApiError:
     return ApiError(503, "server is shutting down", code="shutting_down")
 
 
+# An engine that is not ready yet: (/health's status, the error's code and message). An engine
+# may say otherwise in its `unready` (a cluster whose replicas are all down is not loading).
+LOADING = ("loading", "model_loading", "the model is still loading; retry shortly")
+
+
+def unready(engine) -> tuple[str, str, str]:
+    return getattr(engine, "unready", LOADING)
+
+
+def not_ready(engine) -> ApiError:
+    _, code, message = unready(engine)
+    return ApiError(503, message, code=code, headers={"Retry-After": "1"})
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:

@@ -33,7 +33,7 @@ from aiohttp import web
 from engine import EngineDeadError, QueueFullError, RequestAbortedError, RequestError, RequestOutput, SamplingParams
 from frontends.http import sse
 from frontends.http.choices import Choices, ManyChoices
-from frontends.http.errors import ApiError, from_engine, shutting_down
+from frontends.http.errors import ApiError, from_engine, not_ready, shutting_down
 from frontends.http.protocol import Usage
 from frontends.http.state import ServerState
 
@@ -82,8 +82,7 @@ def ensure_ready(state: ServerState, params: SamplingParams | None = None) -> No
     if engine.dead:
         raise ApiError(503, f"engine unavailable: {engine.dead}", code="engine_unavailable")
     if not engine.ready:
-        raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
-                       headers={"Retry-After": "1"})
+        raise not_ready(engine)
 
 
 async def generate(request: web.Request, state: ServerState, jobs: list[Job],

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from engine import Engine
 from frontends.http import sse
-from frontends.http.errors import ApiError
+from frontends.http.errors import ApiError, unready
 from frontends.http.metrics import CONTENT_TYPE
 from frontends.http.state import STATE
 
@@ -25,7 +25,7 @@ async def health(request: web.Request) -> web.Response:
     if engine.dead:
         return _json({"status": "dead", "reason": engine.dead}, 503)
     if not engine.ready:
-        return _json({"status": "loading"}, 503)
+        return _json({"status": unready(engine)[0]}, 503)
     return _json({"status": "ok"})
 
 

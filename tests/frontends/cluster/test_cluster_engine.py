@@ -1,0 +1,82 @@
+"""ClusterEngine.submit against stand-in replica handles (no Ray): a replica whose waiting queue
+is full passes the request on to another, and a cluster with every replica down says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from engine.errors import QueueFullError
+from engine.model.tiny import tiny_tokenizer
+from frontends.cluster.cluster_engine import ClusterEngine
+from frontends.cluster.replica import ACCEPTED, Refusal
+from frontends.http.errors import unready
+from tests.frontends.conftest import tiny_config
+
+FULL = Refusal("QueueFullError", "waiting queue is full (2 requests); retry later")
+
+
+class Outputs:
+    """A replica's generate stream: its verdict, then nothing."""
+
+    def __init__(self, verdict):
+        self.verdict = verdict
+
+    async def __anext__(self):
+        return self.verdict
+
+    def cancel(self) -> None:
+        pass
+
+
+class Handle:
+    def __init__(self, verdict):
+        self.verdict, self.calls = verdict, 0
+
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, ids, params, request_id):
+        self.calls += 1
+        return Outputs(self.verdict)
+
+
+def cluster(*verdicts, router: str = "prefix") -> tuple[ClusterEngine, list[Handle]]:
+    handles = [Handle(v) for v in verdicts]
+    config = tiny_config(replicas=len(handles), router=router)
+    return ClusterEngine(config, {f"replica-{i}": h for i, h in enumerate(handles)}, tiny_tokenizer(), 2048), handles
+
+
+@pytest.mark.parametrize("router", ["prefix", "round-robin", "least-loaded"])
+async def test_a_full_replica_passes_the_request_to_another(router):
+    """Prefix affinity sent a shared-prefix request to its full replica: 503 queue_full while the
+    other replica idled (a prompt list could never pass, however often retried)."""
+    engine, (full, free) = cluster(FULL, ACCEPTED, router=router)
+    engine.router.route([], 0)  # replica-1 busier, so that every router tries replica-0 first
+    engine.router.route([], 0)
+    engine.router.release("replica-0")
+    request_id = await engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    assert engine._remotes[request_id].replica == "replica-1" and full.calls == 1 and free.calls == 1
+    assert engine.router.load == {"replica-0": 0, "replica-1": 2}  # the refusal released its slot
+
+
+async def test_every_replica_full_is_queue_full():
+    engine, handles = cluster(FULL, FULL)
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        await engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    assert [h.calls for h in handles] == [1, 1] and set(engine.router.load.values()) == {0}
+
+
+async def test_every_replica_down_is_not_called_loading():
+    """/health said "loading" and requests "the model is still loading" for hung replicas."""
+    engine, _ = cluster(ACCEPTED, ACCEPTED)
+    assert engine.ready
+    for name in list(engine.handles):
+        engine.router.mark_down(name)
+    status, code, message = unready(engine)
+    assert not engine.ready and status == "unavailable" and code == "replicas_unavailable"
+    assert "no engine replica is up" in message
