@@ -38,6 +38,10 @@ EXCLUSIVE = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
 DEFS = ("$defs", "definitions")
 FORMATS = frozenset(["date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer", "uuid"])
+# formats any string meets (pydantic's bytes and SecretStr): annotations, xgrammar's any string is right
+ANY_STRING_FORMATS = frozenset(["binary", "password"])
+# formats whose grammar admits no empty string: a minLength of 1 beside them is met already (pydantic's AnyUrl)
+NON_EMPTY_FORMATS = FORMATS - {"uri-reference", "uri-template", "json-pointer"}
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -60,8 +64,8 @@ def _problem(schema: object, path: str, implied_type: str | None) -> str | None:
     types = _types(schema, implied_type)
     for key, value in schema.items():
         where = at + key
-        if key in ANNOTATIONS or key in DEFS or (key == "$id" and not path):
-            continue
+        if key in ANNOTATIONS or key in DEFS or (key == "$id" and not path) or key.startswith("x-"):
+            continue  # x-*: a vendor extension (OpenAPI), meaning nothing to a validator
         if key == "type":
             if not types:
                 return f"{where} must name at least one type"
@@ -89,14 +93,18 @@ def _keyword_problem(schema: dict, key: str, value: object, where: str, types: s
             return f"{where} needs a \"type\" beside it (xgrammar ignores it on a schema without one)"
         return None  # a keyword for another type than the schema's constrains nothing
     if key in ("minLength", "maxLength") and ("pattern" in schema or "format" in schema):
-        other = "pattern" if "pattern" in schema else "format"
-        return f"{where} is not supported beside {other} (xgrammar ignores it there; bound the length in a pattern)"
+        met = key == "minLength" and _is_int(value) and value <= 1 and schema.get("format") in NON_EMPTY_FORMATS
+        if not met:
+            other = "pattern" if "pattern" in schema else "format"
+            return f"{where} is not supported beside {other} (xgrammar ignores it there; bound the length in a pattern)"
+    if key == "pattern" and "format" in schema:
+        return f"{where} is not supported beside format (xgrammar enforces only the format there)"
     if key == "multipleOf" and ("number" in types or not _is_int(value) or any(k in schema for k in _RANGE)):
         return (f"{where} is supported only as an integer on an integer type without a range "
                 f"(xgrammar ignores it otherwise)")
     if key == "uniqueItems" and value is not False:
         return f"{where} is not supported (xgrammar would not enforce it)"
-    if key == "format" and not (isinstance(value, str) and value in FORMATS):
+    if key == "format" and not (isinstance(value, str) and (value in FORMATS or value in ANY_STRING_FORMATS)):
         return f"{where} {value!r} is not supported (supported: {', '.join(sorted(FORMATS))})"
     if key == "pattern" and isinstance(value, str):
         problem = pattern_problem(value)

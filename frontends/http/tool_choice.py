@@ -53,8 +53,7 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
         strict = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools if t.function.strict}
         return ToolPlan(choice, template_tools, declared=Declared(frozenset(names), strict, parallel_tool_calls is not False))
     if choice == "required":
-        one = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
-        schema = one if parallel_tool_calls is False else {"type": "array", "items": one, "minItems": 1}
+        schema = forced_schema(tools, array=parallel_tool_calls is not False)
         return ToolPlan("forced", template_tools, StructuredOutput.from_schema(schema, "tools"))
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function":
@@ -62,11 +61,13 @@ def plan_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None, paralle
                            param="tool_choice")
         if choice.function is None:
             raise ApiError(400, "tool_choice.function is required: {\"name\": ...}", param="tool_choice")
-        chosen = [t for t in tools if t.function.name == choice.function.name]
+        chosen = [i for i, t in enumerate(tools) if t.function.name == choice.function.name]
         if not chosen:
             raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
                            param="tool_choice")
-        return ToolPlan("forced", template_tools, StructuredOutput.from_schema(call_schema(chosen[0]), "tools"))
+        schema = forced_schema([tools[chosen[0]]], array=False)
+        return ToolPlan("forced", template_tools,
+                        StructuredOutput.from_schema(schema, f"tools[{chosen[0]}].function.parameters"))
     raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or "
                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
 
@@ -103,11 +104,51 @@ def _check_tool(i: int, tool: Tool) -> None:
         raise from_engine(e) from None
 
 
-def call_schema(tool: Tool) -> dict:
-    """One call: the name (a constant) first, then the arguments the function's parameters allow."""
+def forced_schema(tools: list[Tool], array: bool) -> dict:
+    """The grammar's schema: a call of one of `tools` (`anyOf` them), or a non-empty array of
+    calls. A function's parameters that refer to themselves (`$ref`: to their `$defs`, or "#")
+    sit under the document's `$defs`, their references rebased there: a reference resolves from
+    the document's root, which is the call, not the parameters."""
+    defs: dict[str, dict] = {}
+    calls = [call_schema(tool, i, defs) for i, tool in enumerate(tools)]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": one, "minItems": 1} if array else one
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def call_schema(tool: Tool, i: int = 0, defs: dict | None = None) -> dict:
+    """One call: the name (a constant) first, then the arguments the function's parameters allow
+    (referenced from `defs`, where they are put, if they hold a `$ref`)."""
+    arguments = tool.function.parameters or NO_PARAMETERS
+    if defs is not None and _has_ref(arguments):
+        key = f"tool{i}"
+        defs[key] = _rebased(arguments, f"#/$defs/{key}")
+        arguments = {"$ref": f"#/$defs/{key}"}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters or NO_PARAMETERS},
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+_DATA = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
+
+
+def _has_ref(schema: object) -> bool:
+    if isinstance(schema, list):
+        return any(_has_ref(s) for s in schema)
+    return isinstance(schema, dict) and any(k == "$ref" or (k not in _DATA and _has_ref(v)) for k, v in schema.items())
+
+
+def _rebased(schema: object, base: str) -> object:
+    """`schema` with each local reference ("#...") made relative to `base` ("#" -> base)."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA else _rebased(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out

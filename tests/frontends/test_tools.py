@@ -99,6 +99,31 @@ async def test_none_and_auto_answer_text_when_no_call_is_written(client):
         assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content is not None
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "home": {"$ref": "#/$defs/Address"}},
+          "required": ["name", "home"], "additionalProperties": False,
+          "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                "required": ["city"], "additionalProperties": False}}}
+TREE = {"type": "object", "properties": {"tag": {"enum": ["div", "p"]},
+                                         "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["tag", "children"], "additionalProperties": False}
+REFERRING = [{"type": "function", "function": {"name": "save", "parameters": PERSON}},
+             {"type": "function", "function": {"name": "render", "parameters": TREE}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "save"}},
+                                         {"type": "function", "function": {"name": "render"}}])
+async def test_forced_calls_of_parameters_with_references(client, tool_choice):
+    """pydantic's nested models ($defs) were a 400 once forced ("Cannot find field '$defs'"), and a
+    recursive "#" resolved to the call itself: calls broke their function's schema."""
+    out = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=400, tools=REFERRING,
+                                               tool_choice=tool_choice, seed=3, temperature=1.0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), {"save": PERSON, "render": TREE}[call.function.name])
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "missing"}}), "tool_choice"),

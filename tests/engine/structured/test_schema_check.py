@@ -11,7 +11,7 @@ import xgrammar as xgr
 
 from engine import RequestError, StructuredOutput
 from engine.model.tiny import tiny_tokenizer
-from engine.structured.schema_check import FORMATS, check_schema
+from engine.structured.schema_check import FORMATS, NON_EMPTY_FORMATS, check_schema
 from engine.structured.schema_fix import json_schema_grammar
 
 S, I, N = {"type": "string"}, {"type": "integer"}, {"type": "number"}
@@ -40,6 +40,9 @@ REFUSED = [  # (schema, the path the message names)
     ({"$defs": {"x": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, "$ref"),
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength"),
     ({"type": "string", "format": "date", "minLength": 12}, "minLength"),
+    ({"type": "string", "format": "uri", "maxLength": 2083}, "maxLength"),  # pydantic's HttpUrl
+    ({"type": "string", "format": "json-pointer", "minLength": 1}, "minLength"),  # its grammar admits ""
+    ({"type": "string", "format": "uuid", "pattern": "^a"}, "pattern"),  # zod 4's z.uuid(): the pattern was ignored
     ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "pattern"),
     ({"type": "string", "pattern": "^.{0,5000}$"}, "pattern"),
     ({"type": "string", "pattern": "^(.{0,6}.){0,6}$"}, "pattern"),
@@ -101,6 +104,11 @@ PYDANTIC_STYLE = {  # what pydantic v2 writes for a model with a nested model, a
 
 
 @pytest.mark.parametrize("schema", [PYDANTIC_STYLE, True, {}, {"type": "object"}, {"enum": [1, "a", None]},
+                                    # pydantic's AnyUrl (a uri is never empty), bytes and SecretStr (any string
+                                    # meets these formats), an OpenAPI vendor extension (meaning nothing)
+                                    {"type": "string", "format": "uri", "minLength": 1},
+                                    {"type": "string", "format": "binary"}, {"type": "string", "format": "password"},
+                                    {"type": "integer", "x-order": 3},
                                     {"type": ["string", "null"], "maxLength": 3, "minimum": 2},
                                     {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#"}}}}])
 def test_enforced_schemas_are_accepted_and_compile(schema):
@@ -171,3 +179,8 @@ def test_kept_formats_refuse_a_non_matching_string(compiler, fmt):
                                      "^((.?.){0,2}.){0,3}$", "^(?:ab){0,500}$"])
 def test_patterns_xgrammar_compiles_quickly_are_accepted(pattern):
     check_schema({"type": "string", "pattern": pattern})  # (no compile here: some take ~0.3 s)
+
+
+@pytest.mark.parametrize("fmt", sorted(NON_EMPTY_FORMATS))
+def test_formats_whose_minlength_of_one_is_accepted_admit_no_empty_string(compiler, fmt):
+    assert not accepts(compiler, {"type": "string", "format": fmt}, "")
