@@ -119,7 +119,7 @@ class ClusterEngine:
                 break
             outputs = self._streaming[name].generate.remote(ids, params, request_id)
             try:
-                verdict = await _unless(outputs.__anext__(), self._went_down(name))
+                verdict = await unless(outputs.__anext__(), self.went_down(name))
             except asyncio.CancelledError:
                 outputs.cancel()
                 self.router.release(name)
@@ -152,8 +152,8 @@ class ClusterEngine:
             try:
                 while True:
                     try:
-                        gone = (remote.cut, self._went_down(remote.replica))  # stop waiting on a hung replica
-                        out = await _unless(remote.outputs.__anext__(), *gone)
+                        gone = (remote.cut, self.went_down(remote.replica))  # stop waiting on a hung replica
+                        out = await unless(remote.outputs.__anext__(), *gone)
                     except StopAsyncIteration:
                         break
                     if out.finished:
@@ -229,12 +229,12 @@ class ClusterEngine:
         if name in self.router.healthy:
             print(f"[stepwise] {name} unreachable ({why!r}); routing around it", file=sys.stderr)
         self.router.mark_down(name)
-        down = self._went_down(name)
+        down = self.went_down(name)
         if not down.done():
             down.set_exception(ReplicaGone(f"engine replica {name} is down: {why!r}"))
             down.exception()  # retrieved: nobody may be waiting
 
-    def _went_down(self, name: str) -> asyncio.Future:
+    def went_down(self, name: str) -> asyncio.Future:
         """Resolved (with ReplicaGone) once `name` is marked down; a fresh one after it comes back."""
         if name not in self._down or (self._down[name].done() and name in self.router.healthy):
             self._down[name] = asyncio.get_running_loop().create_future()
@@ -267,7 +267,7 @@ class ClusterEngine:
             await self._health_changed.wait()
 
 
-async def _unless(call, *gone: asyncio.Future):
+async def unless(call, *gone: asyncio.Future):
     """Await `call`, unless one of `gone` resolves first (its ReplicaGone is raised, `call` cancelled)."""
     item = asyncio.ensure_future(call)
     try:

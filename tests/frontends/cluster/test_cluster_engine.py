@@ -3,6 +3,8 @@ is full passes the request on to another, and a cluster with every replica down 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine import SamplingParams
@@ -80,3 +82,28 @@ async def test_every_replica_down_is_not_called_loading():
     status, code, message = unready(engine)
     assert not engine.ready and status == "unavailable" and code == "replicas_unavailable"
     assert "no engine replica is up" in message
+
+
+class HungRecords:
+    """A hung replica's steps stream: no record ever comes, and cancel() does not wake it."""
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "marked down"])
+async def test_a_hung_replicas_step_stream_ends_at_shutdown_or_when_marked_down(how):
+    """It waited for the hung replica until shutdown's own 5 s limit cancelled its handler."""
+    from frontends.cluster.app import _until_gone
+    from frontends.cluster.cluster_engine import ReplicaGone
+
+    loop = asyncio.get_running_loop()
+    ended, down = loop.create_future(), loop.create_future()
+    reader = asyncio.create_task(anext(_until_gone(HungRecords(), ended, down), "ended"))
+    await asyncio.sleep(0.05)
+    assert not reader.done()
+    if how == "shutdown":
+        ended.set_result(None)
+    else:
+        down.set_exception(ReplicaGone("replica-0 is down"))
+    assert await asyncio.wait_for(reader, 1) == "ended"
