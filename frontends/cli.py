@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from engine import Engine, EngineConfig
 from engine.config import DEFAULT_CONFIG, all_keys, config_path
@@ -50,12 +51,15 @@ def load_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.load(path, **overrides)
 
 
-def stop_on_signals() -> asyncio.Event:
-    """An event set by the first SIGINT / SIGTERM; a second one exits at once."""
+def stop_on_signals(on_force: Callable[[], None] | None = None) -> asyncio.Event:
+    """An event set by the first SIGINT / SIGTERM; a second one exits at once (after
+    `on_force`: what must not outlive the process, such as a local Ray's agents)."""
     stop = asyncio.Event()
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
+            if on_force is not None:
+                on_force()
             os._exit(128 + signum)
         print(f"\n[stepwise] {signal.Signals(signum).name}: shutting down (again to force)", file=sys.stderr)
         stop.set()

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
+import uuid
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -59,6 +62,48 @@ async def test_replicas_serve_and_sigterm_drains_then_exits_0():
         async with asyncio.timeout(120):
             assert await proc.wait() == 0, (await log).decode()[-2000:]
         assert "[stepwise] stopped" in (await log).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def ray_processes_marked(marker: str) -> list[str]:
+    """Processes whose environment holds `marker` (those of the Ray the test's server started)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads other processes' environments from /proc")
+async def test_sigterm_during_start_up_stops_the_local_ray_at_once():
+    """It waited for the replicas to load (~2 minutes on a loaded machine) before stopping; a
+    second signal then exited at once but left Ray's agents running."""
+    marker = f"stepwise-test-{uuid.uuid4().hex}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "frontends.cli", "--model", "tiny-random", "--port", "0", "--replicas", "1",
+        "--replica-cpus", "0.5", "--ray-num-cpus", "1", "--attention-backend", "torch",
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env={**os.environ, "STEPWISE_TEST_MARKER": marker},
+    )
+    try:
+        async with asyncio.timeout(180):
+            while "starting 1 engine replica" not in (line := (await proc.stderr.readline()).decode()):
+                assert line, "engine-serve --replicas exited early"
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            log = (await proc.stderr.read()).decode()
+            assert await proc.wait() == 0, log[-2000:]
+        assert "stopping the local Ray" in log and "[stepwise] stopped" in log
+        for _ in range(50):  # Ray's processes go with its shutdown; give the last ones a moment
+            if not ray_processes_marked(marker):
+                break
+            await asyncio.sleep(0.2)
+        assert not ray_processes_marked(marker)
     finally:
         if proc.returncode is None:
             proc.kill()
