@@ -15,6 +15,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from engine import EngineConfig
 from engine.model.loader import load_tokenizer
@@ -52,7 +53,7 @@ async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[..., asy
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
     if not starting.done() and started_ray:
-        return await _stop_during_start_up(starting)
+        _stop_during_start_up()
     if starting.done() and starting.exception() is not None:
         stopping.cancel()
         print(f"[stepwise] failed to start the replicas: {starting.exception()!r}", file=sys.stderr)
@@ -78,7 +79,7 @@ async def serve_cluster(config: EngineConfig, stop_on_signals: Callable[..., asy
     return code
 
 
-async def _stop_during_start_up(starting: asyncio.Task) -> int:
+def _stop_during_start_up() -> NoReturn:
     """A signal while the replicas load (minutes on a busy machine): the local Ray is ours, so
     it goes now, and the replicas with it. The deploy, blocked on a worker thread, cannot be
     interrupted and would start a fresh Ray for its next call (Ray's auto-init), so the
