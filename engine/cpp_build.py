@@ -22,6 +22,21 @@ from engine.cpu import RESTRICT_ENV
 _STALE_LOCK_S = 600  # a build takes well under a minute
 
 
+def _wait_for_lock(lock: Path, poll_s: float = 0.5) -> None:
+    """Wait out another process's build of the same kernel; a lock older than _STALE_LOCK_S is
+    a killed build's, dropped. (torch waits for ever on a lock file, and a lock that was merely
+    young when first seen would otherwise never be judged stale: a killed build's lock hung the
+    next start, or test run, for good.)"""
+    while lock.exists():
+        try:
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                lock.unlink(missing_ok=True)
+                return
+        except FileNotFoundError:  # the build finished meanwhile
+            return
+        time.sleep(poll_s)
+
+
 def cpu_tag() -> str:
     """Short hash of this CPU's model and ISA flags: a -march=native build is only reused on
     the same kind of CPU (a shared extensions directory would otherwise hand out SIGILLs)."""
@@ -61,10 +76,7 @@ def build_extension(name: str, sources: list[Path], variants: list[tuple[str, li
     digest = hashlib.sha1(b"".join(s.read_bytes() for s in sources)).hexdigest()[:8]
     for tag, flags in variants:
         full = f"{name}_{tag}_{digest}"
-        # torch waits forever on the lock file of a build that was killed: drop an old one
-        lock = Path(cpp_extension._get_build_directory(full, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
+        _wait_for_lock(Path(cpp_extension._get_build_directory(full, verbose=False)) / "lock")
         try:
             cpp_extension.load(
                 name=full,
