@@ -166,3 +166,32 @@ def test_a_call_whose_arguments_nest_too_deeply_stays_a_string():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
     assert _template_call(call) == call
     assert _template_call({**call, "function": {"name": "f", "arguments": '{"a": 1}'}})["function"]["arguments"] == {"a": 1}
+
+
+def test_the_forced_grammar_resolves_references_within_the_parameters():
+    """Deterministic, where sampling may luckily write a valid call: a recursive "#" meant the
+    call itself, so a child written as a call passed and a valid child was refused."""
+    import xgrammar as xgr
+
+    from engine.structured.schema_fix import json_schema_grammar
+    from frontends.http.tool_choice import forced_schema
+    from frontends.http.tool_protocol import FunctionDef, Tool
+
+    tok = tiny_tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)), max_threads=1)
+    tools = [Tool(type="function", function=FunctionDef(name=t["function"]["name"], parameters=t["function"]["parameters"]))
+             for t in REFERRING]
+
+    def accepts(schema: dict, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(json_schema_grammar(json.dumps(schema))))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    for array in (False, True):
+        schema = forced_schema(tools, array)
+        wrap = (lambda call: f"[{call}]") if array else (lambda call: call)
+        assert accepts(schema, wrap('{"name": "save", "arguments": {"name": "a", "home": {"city": "b"}}}'))
+        assert not accepts(schema, wrap('{"name": "save", "arguments": {"name": "a", "home": {"town": "b"}}}'))
+        assert accepts(schema, wrap('{"name": "render", "arguments": {"tag": "div", "children": '
+                                    '[{"tag": "p", "children": []}]}}'))
+        assert not accepts(schema, wrap('{"name": "render", "arguments": {"tag": "div", "children": '
+                                        '[{"name": "render", "arguments": {}}]}}'))
