@@ -20,6 +20,7 @@ from typing import Literal
 import msgspec
 
 from engine import StructuredOutput
+from engine.structured import check_schema
 from engine.errors import RequestError
 from frontends.http.errors import ApiError, from_engine
 from frontends.http.tool_calls import Declared
@@ -96,12 +97,13 @@ def _check_tool(i: int, tool: Tool) -> None:
 
     try:
         Draft202012Validator.check_schema(parameters)  # a strict tool's calls are validated against it
+        check_schema(parameters, param)  # no keyword the grammar would leave unenforced, were a call forced
     except SchemaError as e:
         raise ApiError(400, f"{param} is not a valid JSON schema: {e.message}", param=param) from None
-    try:
-        StructuredOutput.from_schema(parameters, param)
     except RequestError as e:
         raise from_engine(e) from None
+    except RecursionError:  # both walks recurse; msgspec decodes deeper than they go
+        raise ApiError(400, f"{param}: the JSON schema is nested too deeply", param=param) from None
 
 
 def forced_schema(tools: list[Tool], array: bool) -> dict:

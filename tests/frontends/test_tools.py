@@ -141,6 +141,9 @@ async def test_forced_calls_of_parameters_with_references(client, tool_choice):
             tool_choice=tool_choice), "tools[1].function.parameters")
       for parameters in ({"type": "foo"}, {"type": "string"}, {"type": "object", "required": "city"})
       for tool_choice in ("required", "auto", "none")],
+    # nested 400 deep: jsonschema's check recursed past Python's limit, a 500
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": json.loads('{"anyOf": [' * 400 + "{}" + "]}" * 400)}}}}]), "tools[0].function.parameters"),
     *[(dict(tools=[{"type": "function", "function": {"name": name}}]), "tools[0].function.name")
       for name in ("", "get weather", "x" * 65, 'f"')],
 ])
