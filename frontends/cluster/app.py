@@ -94,10 +94,9 @@ async def engine_state(request: web.Request) -> web.Response:
 
 
 async def engine_steps(request: web.Request) -> web.StreamResponse:
-    state, name = request.app[STATE], _replica(request)
-    if name not in _cluster(request).router.healthy:  # dead or hung: its stream would end at once, or never start
+    state, name, cluster = request.app[STATE], _replica(request), _cluster(request)
+    if name not in cluster.router.healthy:  # dead or hung: its stream would end at once, or never start
         raise ApiError(503, f"replica {name} is down (its health probe fails)", code="replica_unavailable")
-    cluster = _cluster(request)
     records = cluster.handles[name].options(stream=True).steps.remote()
     streams, ended = request.app[STEP_STREAMS], asyncio.get_running_loop().create_future()
     streams[records] = ended

@@ -118,11 +118,11 @@ def forced_schema(tools: list[Tool], array: bool) -> dict:
     return {**schema, "$defs": defs} if defs else schema
 
 
-def call_schema(tool: Tool, i: int = 0, defs: dict | None = None) -> dict:
-    """One call: the name (a constant) first, then the arguments the function's parameters allow
-    (referenced from `defs`, where they are put, if they hold a `$ref`)."""
+def call_schema(tool: Tool, i: int, defs: dict) -> dict:
+    """One call (tool i): the name (a constant) first, then the arguments the function's
+    parameters allow (referenced from `defs`, where they are put, if they hold a `$ref`)."""
     arguments = tool.function.parameters or NO_PARAMETERS
-    if defs is not None and _has_ref(arguments):
+    if _has_ref(arguments):
         key = f"tool{i}"
         defs[key] = _rebased(arguments, f"#/$defs/{key}")
         arguments = {"$ref": f"#/$defs/{key}"}
