@@ -334,12 +334,13 @@ class Engine:
         return self.scheduler.cost.figures()
 
     def snapshot(self) -> EngineSnapshot:
-        """Queues as of the scheduler's last turn; KV figures and grammar waits as of now."""
+        """Queues as of the scheduler's last turn; KV figures, arrivals and grammar waits as of now."""
         self._require_built()
         kv = self.block_manager.figures
         return msgspec.structs.replace(
             self.scheduler.snapshot, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             prefix_cache_hit_rate=kv.hit_rate, num_waiting_for_grammar=self.intake.num_compiling,
+            num_arriving=self.scheduler.num_arriving,
         )
 
     def _require_loop(self) -> None:

@@ -117,6 +117,7 @@ class EngineSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_preemptions: int
     prefix_cache_hit_rate: float
     num_waiting_for_grammar: int = 0  # accepted by intake, their JSON schema still compiling
+    num_arriving: int = 0  # handed to the scheduler while a step runs: in `waiting` at its next turn
 
 
 # --- the plan the scheduler hands the executor ---------------------------------------------

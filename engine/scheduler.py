@@ -148,6 +148,11 @@ class Scheduler:
         while a step runs and the inbox is not being read."""
         return len(self.waiting) + self._num_adds_pending
 
+    @property
+    def num_arriving(self) -> int:
+        """Requests handed over and not yet applied (they arrived during the step now running)."""
+        return self._num_adds_pending
+
     def _apply(self, msg: SchedulerMsg) -> bool:
         match msg:
             case AddRequest(request):

@@ -200,8 +200,10 @@ class MonitorState:
         # count from that same fraction, so "KV 50%" never sits beside another moment's blocks
         kv_usage = self.kv_usage if self.kv_usage is not None else (rec or snap).kv_usage
         grammar = snap.num_waiting_for_grammar if snap else 0  # intake's: no step record counts them
+        # handed to the scheduler during the step the snapshot saw: not in that step's record yet
+        arriving = snap.num_arriving if snap and (rec is None or snap.step >= rec.step) else 0
         return QueueView(
-            num_waiting=(rec.num_waiting if rec else len(snap.waiting)) + grammar,
+            num_waiting=(rec.num_waiting if rec else len(snap.waiting)) + arriving + grammar,
             num_waiting_for_grammar=grammar,
             num_running=rec.num_running if rec else len(snap.running),
             kv_usage=kv_usage,

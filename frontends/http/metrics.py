@@ -44,8 +44,10 @@ class SnapshotGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self.engine.snapshot() if self.engine.ready else None
         values = [0, 0, 0.0]
-        if snap is not None:  # those waiting for their grammar count as waiting, as max_waiting counts them
-            values = [len(snap.running), len(snap.waiting) + snap.num_waiting_for_grammar, snap.kv_usage]
+        if snap is not None:  # as max_waiting counts them: those arriving during a step (a long one would
+            # freeze the count) and those waiting for their grammar count as waiting
+            waiting = len(snap.waiting) + snap.num_arriving + snap.num_waiting_for_grammar
+            values = [len(snap.running), waiting, snap.kv_usage]
         for (name, doc), value in zip(self.GAUGES, values, strict=True):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)

@@ -138,3 +138,30 @@ async def test_requests_waiting_for_their_grammar_count_as_waiting(tiny_model, m
             release.set()
         assert (await answer).status == 200
         await until(client, "vllm:num_requests_waiting", 0)
+
+
+async def test_requests_arriving_during_a_long_step_count_as_waiting(tiny_model):
+    """The gauge read the scheduler's queue as of its last turn: during one long step it stayed
+    frozen while requests arrived (the scheduler applies them at its next turn)."""
+    import threading
+
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold_first_step(plan) -> None:  # runs in the executor thread before each step
+        if not in_step.is_set():
+            in_step.set()
+            release.wait(60)
+
+    body = {"prompt": "Hello", "max_tokens": 2}
+    async with asyncio.timeout(120), serving(tiny_model, tiny_config(), fault_hook=hold_first_step) as (engine, client):
+        first = asyncio.create_task(client.post("/v1/completions", json=body))
+        try:
+            assert await asyncio.to_thread(in_step.wait, 30)
+            assert await get_metric(client, "vllm:num_requests_waiting") == 0
+            more = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
+            await until(client, "vllm:num_requests_waiting", 2)
+            assert await get_metric(client, "vllm:num_requests_running") == 1
+        finally:
+            release.set()
+        assert [r.status for r in await asyncio.gather(first, *more)] == [200] * 3
+        await until(client, "vllm:num_requests_waiting", 0)

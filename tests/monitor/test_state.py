@@ -110,3 +110,18 @@ def test_requests_compiling_a_grammar_count_as_waiting():
     m.add(record(3, [("a", "decode", 1, 7)], waiting=2))
     q = m.queues()
     assert (q.num_waiting, q.num_waiting_for_grammar) == (38, 36)
+
+
+def test_requests_arriving_during_a_long_step_count_as_waiting():
+    """Requests handed to the scheduler while step 5 runs are in no step record yet: the count
+    stayed frozen for the whole step. A snapshot older than the last record is not added (its
+    arrivals are in that record's queue)."""
+    import msgspec
+
+    m = MonitorState()
+    m.add(record(5, [("a", "decode", 1, 7)], waiting=2))
+    st = state(5)
+    m.on_state(msgspec.structs.replace(st, snapshot=msgspec.structs.replace(st.snapshot, num_arriving=3)))
+    assert m.queues().num_waiting == 5
+    m.add(record(6, [("a", "decode", 1, 8)], waiting=5))  # the arrivals joined the queue at step 6
+    assert m.queues().num_waiting == 5
