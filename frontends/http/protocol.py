@@ -268,7 +268,11 @@ def decode(body: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        raise ApiError(400, f"invalid request: {e}", param=_param(str(e))) from None
+        param = _param(str(e))
+        if str(e).startswith("Object contains unknown field"):  # in stream_options, response_format, ...
+            raise ApiError(400, f"unrecognized request field `{param}`", param=param,
+                           code="unrecognized_field") from None
+        raise ApiError(400, f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:  # msgspec decodes nested arrays and objects recursively

@@ -119,3 +119,4 @@ async def test_an_unknown_key_of_an_option_object_is_a_400_naming_it(tiny, endpo
     resp = await client.post(PATHS[endpoint], json={**BASE[endpoint], **extra})
     error = (await resp.json())["error"]
     assert resp.status == 400 and error["param"] == param, error
+    assert error["code"] == "unrecognized_field" and f"`{param}`" in error["message"], error  # as a top-level one
