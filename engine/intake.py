@@ -76,7 +76,7 @@ class Intake:
                         # it are admitted meanwhile, as vLLM's wait for their grammar apart.
                         task = asyncio.create_task(self._handle(msg), name=f"stepwise-grammar-{msg.request_id}")
                         self._compiling[msg.request_id] = task
-                        task.add_done_callback(functools.partial(self._compiled, msg.request_id))
+                        task.add_done_callback(functools.partial(self._compiled, msg))
                     case Submit() as msg:
                         await self._handle(msg)
                     case AbortRequest(request_id):
@@ -94,22 +94,28 @@ class Intake:
                 task.cancel()
             self._thread.shutdown(wait=False)
 
-    def _compiled(self, request_id: str, task: asyncio.Task) -> None:
-        if self._compiling.get(request_id) is task:  # not a later request of the same id
-            del self._compiling[request_id]
+    def _compiled(self, msg: Submit, task: asyncio.Task) -> None:
+        if self._compiling.get(msg.request_id) is task:  # not a later request of the same id
+            del self._compiling[msg.request_id]
+        if task.cancelled():  # cancelled before it ever ran, _handle never answered
+            self._answer_cancelled(msg)
+
+    def _answer_cancelled(self, msg: Submit) -> bool:
+        """Answer a request cancelled in intake: aborted (True), or the engine stops."""
+        aborted = msg.request_id in self._aborted
+        self._aborted.discard(msg.request_id)
+        if not msg.reply.done():
+            msg.reply.set_exception(
+                RequestAbortedError(f"request {msg.request_id!r} was aborted while it waited for its grammar")
+                if aborted else EngineDeadError("engine stopped"))
+        return aborted
 
     async def _handle(self, msg: Submit) -> None:
         try:
             request = await self._admit(msg)
         except asyncio.CancelledError:  # aborted, or the engine stops, while the grammar compiles
-            if msg.request_id in self._aborted:
-                self._aborted.discard(msg.request_id)
-                if not msg.reply.done():
-                    msg.reply.set_exception(RequestAbortedError(
-                        f"request {msg.request_id!r} was aborted while its grammar compiled"))
+            if self._answer_cancelled(msg):
                 return
-            if not msg.reply.done():
-                msg.reply.set_exception(EngineDeadError("engine stopped"))
             raise
         except Exception as e:  # refused: the caller gets the reason
             if not msg.reply.done():

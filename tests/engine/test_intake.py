@@ -146,6 +146,29 @@ async def test_an_abort_reaches_a_request_waiting_for_its_grammar(tiny_model, mo
             assert not snap.running and not snap.waiting and not engine._live and not engine.scheduler.requests
 
 
+async def test_an_abort_right_after_submit_refuses_a_schema_request(tiny_model):
+    """Its grammar task was cancelled before it first ran, so the code that answers an abort
+    never ran either: submit hung for ever (the grammar was cached; the abort came first)."""
+    from engine import RequestAbortedError, StructuredOutput
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, structured_output=StructuredOutput.from_schema(
+        {"type": "boolean"}))
+    async with asyncio.timeout(60), Engine(tiny_config(), loaded=tiny_model) as engine:
+        await run_request(engine, [3, 4], params)  # compiles the grammar: cached from now on
+        for i in range(3):
+            submit = asyncio.create_task(engine.submit([3, 4], params, request_id=f"r{i}"))
+            await asyncio.sleep(0)  # the Submit is in intake's inbox, the abort right behind it
+            await engine.abort(f"r{i}")
+            try:
+                async with asyncio.timeout(10):
+                    await submit
+                raise AssertionError("submit of an aborted request must not return its id")
+            except RequestAbortedError as e:
+                assert f"'r{i}'" in str(e)
+        assert not engine._in_intake and not engine.intake._aborted
+        assert (await run_request(engine, [3, 4], params)).text in ("true", "false")
+
+
 async def test_an_abort_does_not_wait_behind_other_prompts_being_tokenized(tiny_model, monkeypatch):
     """Sent through intake, an abort of a running request waited for every prompt intake was
     tokenizing first (session 21 re-audit: 4.6 s behind six 1 MB prompts), the request
