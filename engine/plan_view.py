@@ -7,10 +7,12 @@ and the whole step's KV changes go to the block manager in one message after pla
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from engine.request import Status
+from engine.step_cost import shape_of
 
 if TYPE_CHECKING:
     from engine.policies.base import Decision
@@ -49,6 +51,11 @@ class PlanView:
     def predict(self, shape: StepShape) -> float:
         """Predicted forward seconds of a step of this shape."""
         return self._s.cost.predict(shape)
+
+    def shape(self, decisions: Iterable[Decision]) -> StepShape:
+        """The shape of a step made of these decisions, as the plan will have it."""
+        return shape_of((d.num_tokens + d.num_padding, d.request.num_computed_tokens, d.request.decodes(d.num_tokens))
+                        for d in decisions)
 
     def running_in_order(self) -> list[Request]:
         return sorted(self._s.running, key=attrgetter("sort_key"))

@@ -227,6 +227,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def decodes(self, num_new_tokens: int) -> bool:
+        """Would its next `num_new_tokens` tokens be a decode: one, its last known token, after
+        it has sampled (else they are a prompt chunk, or a recomputation after a preemption)?"""
+        return num_new_tokens == 1 and self.num_computed_tokens + 1 == self.num_tokens and bool(self.output_token_ids)
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """`all_token_ids[start:stop]` without building the whole list (a decode's one token)."""
         p = len(self.prompt_token_ids)

@@ -309,6 +309,7 @@ class Scheduler:
             if d.num_tokens and req.status is not Status.RUNNING:
                 continue  # preempted just now
             kept.append(d)
+        self.policy.granted(kept, self.view)  # e.g. chunked: a prefix hit costs more than planned
         return kept
 
     def _make_plan(self, decisions: list[Decision]) -> StepPlan:
@@ -325,7 +326,7 @@ class Scheduler:
                 ))
                 continue
             sample = start + d.num_tokens == req.num_tokens
-            kind = "decode" if d.num_tokens == 1 and sample and req.output_token_ids else "prefill"
+            kind = "decode" if req.decodes(d.num_tokens) else "prefill"
             tokens = req.token_slice(start, start + d.num_tokens)
             if d.num_padding:
                 tokens += [self.pad_token_id] * d.num_padding

@@ -48,6 +48,11 @@ class Policy(Protocol):
         """The request left (aborted, failed or preempted): drop any reference to it."""
         ...
 
+    def granted(self, decisions: list[Decision], view: PlanView) -> None:
+        """The block manager answered: admissions now start after their prefix-cache hits. A
+        policy may lower a decision's tokens here (never to 0, never raise them)."""
+        ...
+
     def end_step(self, view: PlanView) -> None:
         """After a step's results are applied (e.g. static releases a batch that is done)."""
         ...
@@ -67,6 +72,9 @@ class BasePolicy:
         return False
 
     def forget(self, request: Request) -> None:
+        pass
+
+    def granted(self, decisions: list[Decision], view: PlanView) -> None:
         pass
 
     def end_step(self, view: PlanView) -> None:

@@ -13,6 +13,11 @@ Two budgets, both honoured:
   last piece, a younger prompt joins only if all of it fits (it gets its first token too): a
   partial chunk would hold back the older prompt's first token for one that has none to give
   (the chunk runs in the next step instead; what that costs is one step's fixed overhead).
+
+A new prompt's chunk is sized as if it had no context: its prefix-cache hits (or, after a
+preemption, its own blocks found again) are known only once the block manager grants the
+step, and they put the chunk after the cached tokens, where each token attends to more. Under
+a time budget, `granted` then cuts such a chunk back to what fits (at least one token).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class ChunkedPolicy(BasePolicy):
         self.chunk_size = s.chunk_size
         self.max_step_s = s.max_step_ms / 1000
         self.min_chunk = s.min_chunk
+        self._admitted: list = []  # requests admitted in the step being planned, oldest first
 
     def schedule(self, view) -> list[Decision] | Idle:
         decisions: list[Decision] = []
@@ -54,6 +60,7 @@ class ChunkedPolicy(BasePolicy):
                 granted.append((1, req.num_computed_tokens, True))
         shape = shape_of(granted)  # what chained `plus` calls give, without a struct per decode
         timed = self.max_step_s > 0 and view.can_predict
+        self._admitted = []
         chunks = 0  # prefill pieces given this step
         full = False  # the time budget is used up: no later prompt gets a token (FCFS)
         whole_only = False  # an older chunked prompt finishes this step: younger ones join only whole
@@ -96,7 +103,31 @@ class ChunkedPolicy(BasePolicy):
                 if n:  # counted as if granted; the block manager may grant fewer, never more
                     shape = shape.plus(n, 0, decode=False)
                     chunks += 1
+                    self._admitted.append(req)
                 return n
 
             admit_waiting(view, decisions, self.max_num_seqs, budget=budget, size=admit_size)
         return decisions or Idle()
+
+    def granted(self, decisions: list[Decision], view) -> None:
+        """Cut back the chunks of admitted prompts that start after cached tokens to what the
+        time budget allows now, oldest first (FCFS: a younger one is sized after it)."""
+        admitted, self._admitted = self._admitted, []
+        if not (self.max_step_s > 0 and view.can_predict):
+            return
+        hits = {id(r) for r in admitted if r.num_computed_tokens}
+        if not hits:
+            return
+        ours = [d for d in decisions if id(d.request) in hits]
+        for i, d in enumerate(ours):
+            younger = {id(e) for e in ours[i + 1:]}
+            rest = view.shape(e for e in decisions if e is not d and id(e) not in younger)
+            ctx = d.request.num_computed_tokens
+            fits = lambda n: view.predict(rest.plus(n, ctx, decode=False)) <= self.max_step_s  # noqa: E731
+            if fits(d.num_tokens):
+                continue
+            lo, hi = 1, d.num_tokens - 1  # the largest n that fits, at least one token
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            d.num_tokens = lo
