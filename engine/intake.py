@@ -65,7 +65,7 @@ class Intake:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepwise-tokenize")
         self._compiling: dict[str, asyncio.Task] = {}  # request id -> its task, on its way to its grammar
         self._aborted: set[str] = set()  # of those, the ones Engine.abort cancelled (the others: the engine stops)
-        self.num_compiling = 0  # those admitted and waiting for it: they count as waiting
+        self.num_compiling = 0  # those past the queue check, not yet handed over: they count as waiting
 
     async def run(self) -> None:
         try:
@@ -132,6 +132,17 @@ class Intake:
                                "(max_num_seqs)", "n")
         if self.num_waiting() + self.num_compiling >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
+        if msg.params.structured_output is None:
+            return await self._build(msg)
+        # Schema requests are admitted in parallel tasks: each counts as waiting from its check
+        # on, so that the next one's check sees it (it also waits to tokenize, then to compile).
+        self.num_compiling += 1
+        try:
+            return await self._build(msg)
+        finally:
+            self.num_compiling -= 1
+
+    async def _build(self, msg: Submit) -> Request:
         ids = await self._tokenize(msg)
         if not ids:
             raise RequestError("prompt is empty", "prompt")
@@ -158,11 +169,7 @@ class Intake:
         arrival = next(self._arrivals)
         compiled = None
         if msg.params.structured_output is not None:
-            self.num_compiling += 1
-            try:
-                compiled = await self.grammars.get(msg.params.structured_output)
-            finally:
-                self.num_compiling -= 1
+            compiled = await self.grammars.get(msg.params.structured_output)
 
         def choice(index: int) -> Request:  # n > 1: each choice its own stream, seed and grammar state
             request_id = msg.request_id if index == 0 else f"{msg.request_id}{CHOICE_SEPARATOR}{index}"

@@ -50,6 +50,31 @@ async def test_max_waiting_holds_while_a_step_runs(tiny_model):
         await assert_drained(engine)
 
 
+async def test_max_waiting_holds_for_schema_requests_arriving_together(tiny_model):
+    """They are admitted in parallel tasks, and each was counted only once its prompt was
+    tokenized: three long-prompt schema requests all passed the check of a 1-request queue."""
+    from engine import StructuredOutput
+    from engine.chat_prompt import LONG_PROMPT_CHARS
+
+    hold = HeldStep()
+    cfg = tiny_config(policy="continuous", max_waiting=1, max_num_seqs=64)
+    params = greedy(2, structured_output=StructuredOutput.from_schema({"type": "boolean"}))
+    long = "a " * (LONG_PROMPT_CHARS // 2 + 10)  # tokenized on intake's thread: an await
+    async with Engine(cfg, loaded=tiny_model, fault_hook=hold) as engine:
+        try:
+            first = asyncio.create_task(run_request(engine, [3, 4, 5], greedy(4)))
+            await asyncio.to_thread(hold.entered.wait, 30)  # step 1 runs and is held
+            results = await asyncio.gather(*(engine.submit(long, params) for _ in range(3)), return_exceptions=True)
+            accepted = [r for r in results if isinstance(r, str)]
+            assert len(accepted) == 1 and sum(isinstance(r, QueueFullError) for r in results) == 2, results
+            assert engine.scheduler.num_queued == 1
+        finally:
+            hold.release.set()
+        await first
+        assert [o async for o in engine.stream(accepted[0])][-1].finished
+        await assert_drained(engine)
+
+
 async def test_a_live_request_id_cannot_be_reused(tiny_model):
     async with asyncio.timeout(60):
         async with Engine(tiny_config(policy="continuous", max_num_seqs=1), loaded=tiny_model) as engine:
