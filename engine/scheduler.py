@@ -206,8 +206,6 @@ class Scheduler:
         n = self.ledger.admit(req.request_id, req.all_token_ids, lookup,
                               min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens))
         if n:
-            if req.scheduled_time is None:
-                req.scheduled_time = self.clock()
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -301,6 +299,8 @@ class Scheduler:
                     continue
                 req.num_computed_tokens = got.num_cached_tokens
                 d.num_tokens = got.num_new_tokens
+                if req.scheduled_time is None:  # granted: its queue time ends (not when planned: may be refused)
+                    req.scheduled_time = self.clock()
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = got.num_cached_tokens
                 self._cached_this_step += got.num_cached_tokens
