@@ -47,6 +47,7 @@ class Executor:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        wait = True  # after a Shutdown the thread is idle: joining it returns at once
         try:
             while True:
                 match await self.inbox.get():
@@ -56,8 +57,11 @@ class Executor:
                             reply.set_result(result)
                     case Shutdown():
                         return
+        except asyncio.CancelledError:
+            wait = False  # maybe mid-step (a stop that timed out): the loop must not wait for the step
+            raise
         finally:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=wait)
 
     def _run_step(self, plan: StepPlan) -> StepResult:
         start_wall, start = time.time(), time.perf_counter()
