@@ -178,6 +178,8 @@ class Request:
         self.params = params
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids or frozenset()  # any of them ends the request (unless ignore_eos)
+        # the token ids that end it when sampled (masked while under min_tokens)
+        self.stop_ids = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
         self.sort_key = (params.priority, arrival, index)  # the queues' order (all three never change)
         self.arrival_time = time.monotonic()
@@ -242,12 +244,6 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     @property
-    def stop_ids(self) -> frozenset[int]:
-        """The token ids that end the request when sampled (masked while under min_tokens)."""
-        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
-        return eos | frozenset(self.params.stop_token_ids)
-
-    @property
     def num_seqs(self) -> int:
         """Sequences it will run as (itself and the choices still to fork from it)."""
         return 1 + len(self.pending_forks)
@@ -261,7 +257,7 @@ class Request:
         """After appending `token`: is it one that ends the request (EOS, a stop token id)?"""
         if len(self.output_token_ids) < self.params.min_tokens:
             return False  # its stop ids were masked
-        return (not self.params.ignore_eos and token in self.eos_token_ids) or token in self.params.stop_token_ids
+        return token in self.stop_ids
 
     def stop_reason(self) -> str | None:
         """After appending a token: why the request should stop, if it should."""
