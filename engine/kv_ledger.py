@@ -3,10 +3,12 @@
 The block manager owns the blocks; the scheduler keeps this local estimate so a policy can
 plan a whole step without a round trip: free blocks as of the last grant, blocks each request
 holds, and the changes of the step being planned (commits, frees, growths, admissions), sent
-as one `KVStep`. The estimate is exact for growths and conservative for admissions (prefix
-hits are found by the pool, and only ever lower the cost); a free counts all of a request's
-blocks although shared prefix blocks stay taken, so a growth may still be refused — the
-grant says which, and the scheduler preempts those requests. A fork (n > 1) takes no block
+as one `KVStep`. The estimate is exact for growths; an admission is counted as its new tokens
+alone, while prefix hits are found by the pool: a hit on blocks in use costs nothing, but one
+revived from the evictable cache takes a free block, and the new tokens come after the hit —
+so a later admission of the same step may get fewer tokens than planned, or none. A free
+counts all of a request's blocks although shared prefix blocks stay taken, so a growth may
+still be refused. The grant says what each got, and the scheduler preempts the refused. A fork (n > 1) takes no block
 and is counted as holding its parent's; its first growth, and its parent's, is counted one
 block more for the copy-on-write of a shared partial block (safe: the last sharer copies
 nothing). The grant lists the block copies the pool decided; the scheduler hands them to the
@@ -43,9 +45,6 @@ class KVLedger:
         return 1 - self.num_free_blocks / self.num_blocks
 
     # --- planning -------------------------------------------------------------------------
-
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - self.held.get(request_id, 0) <= self.num_free_blocks
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Plan for a running request to hold `num_tokens` tokens. False: no room."""
