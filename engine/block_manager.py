@@ -38,7 +38,7 @@ class KVStep(msgspec.Struct, tag=True):
     grows: list[tuple[str, int]]  # (request id, tokens to hold in all), most important first
     admits: list[Admit]
     forks: list[tuple[str, str, int]] = []  # (parent id, child id, tokens shared)
-    reply: asyncio.Future | None = None  # -> KVGrant; None: nothing to answer (a flush)
+    reply: asyncio.Future | None = None  # -> KVGrant (set by the client when it sends the step)
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -93,7 +93,7 @@ class BlockManager:
             match await self.inbox.get():
                 case KVStep() as step:
                     grant = self.apply(step)
-                    if step.reply is not None and not step.reply.done():
+                    if not step.reply.done():
                         step.reply.set_result(grant)
                 case Stop():
                     return
@@ -157,7 +157,3 @@ class BlockManagerClient:
         step.reply = asyncio.get_running_loop().create_future()
         self._inbox.put_nowait(step)
         return await step.reply
-
-    def flush(self, step: KVStep) -> None:
-        """Send commits and frees with no step to plan (the engine went idle)."""
-        self._inbox.put_nowait(step)

@@ -195,10 +195,6 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     shape: StepShape | None = None  # what the cost model sees of it (set by the scheduler; None: a hand-made plan)
     block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward (copy-on-write)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(i.token_ids) for i in self.items)
-
 
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     step: int

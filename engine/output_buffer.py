@@ -76,9 +76,6 @@ class OutputBuffer:
     def __len__(self) -> int:
         return len(self._items)
 
-    def qsize(self) -> int:
-        return len(self._items)
-
     def empty(self) -> bool:
         return not self._items
 

@@ -35,10 +35,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
-    @property
-    def max_seq_len(self) -> int:
-        return max((c + q for c, q in zip(self.context_lens_host, self.query_lens_host)), default=0)
-
     @classmethod
     def build(
         cls,
