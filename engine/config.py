@@ -68,7 +68,8 @@ class ModelConfig:
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
-        # The only place the environment is read for configuration.
+        # The only place the environment is read for configuration (engine/cpu.py reads
+        # STEPWISE_CPU_FEATURES, which narrows the CPU's features for tests and benchmarks).
         xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         return Path(xdg) / "stepwise"
 

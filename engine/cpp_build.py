@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.cpu import RESTRICT_ENV
+from engine.cpu import cpu_info
 
 _STALE_LOCK_S = 600  # a build takes well under a minute
 
@@ -47,7 +47,7 @@ def cpu_tag() -> str:
         import platform
 
         key = platform.machine() + platform.processor()
-    key += os.environ.get(RESTRICT_ENV, "*")  # a restricted CPU's build is another build (engine/cpu.py)
+    key += ",".join(cpu_info().features)  # a CPU restricted by STEPWISE_CPU_FEATURES is another build
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
