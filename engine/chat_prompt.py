@@ -14,7 +14,9 @@ A rendered chat prompt already holds them (the template writes the BOS): none ar
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import Executor
 
 from engine.errors import RequestError
 
@@ -25,6 +27,27 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of a prompt's text: a completion's with the tokenizer's special tokens, a
     rendered chat prompt's without (its template wrote them)."""
     return tokenizer.encode(text, add_special_tokens=not chat)
+
+
+async def prompt_ids(tokenizer, prompt: str | list[int] | None, messages: list[dict] | None,
+                     executor: Executor | None = None) -> list[int]:
+    """A request's prompt as token ids: a chat rendered and encoded, text encoded, ids taken as
+    they are (their range is intake's to check). Long text is encoded on `executor` (None:
+    asyncio's default), off the event loop."""
+    if (prompt is None) == (messages is None):
+        raise RequestError("give exactly one of prompt and messages", "prompt")
+    if messages is not None:
+        text = chat_prompt(tokenizer, messages)
+    elif isinstance(prompt, list):
+        return list(prompt)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise RequestError("prompt must be a string or a list of token ids", "prompt")
+    chat = messages is not None
+    if len(text) <= LONG_PROMPT_CHARS:
+        return encode(tokenizer, text, chat)
+    return await asyncio.get_running_loop().run_in_executor(executor, encode, tokenizer, text, chat)
 
 
 def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) -> str:

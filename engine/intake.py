@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.chat_prompt import LONG_PROMPT_CHARS, chat_prompt, encode
+from engine.chat_prompt import prompt_ids
 from engine.detokenizer import Detokenizer
 from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from engine.messages import AbortRequest, IntakeMsg, Shutdown, Submit
@@ -143,7 +143,7 @@ class Intake:
             self.num_compiling -= 1
 
     async def _build(self, msg: Submit) -> Request:
-        ids = await self._tokenize(msg)
+        ids = await prompt_ids(self.tokenizer, msg.prompt, msg.messages, self._thread)
         if not ids:
             raise RequestError("prompt is empty", "prompt")
         check_prompt_ids(ids, self.vocab_size)
@@ -182,18 +182,3 @@ class Intake:
         request = choice(0)
         request.pending_forks = [choice(i) for i in range(1, msg.params.n)]
         return request
-
-    async def _tokenize(self, msg: Submit) -> list[int]:
-        if msg.messages is not None:
-            text = chat_prompt(self.tokenizer, msg.messages)
-        elif isinstance(msg.prompt, list):
-            return list(msg.prompt)
-        elif isinstance(msg.prompt, str):
-            text = msg.prompt
-        else:
-            raise RequestError("prompt must be a string or a list of token ids", "prompt")
-        chat = msg.messages is not None
-        if len(text) <= LONG_PROMPT_CHARS:
-            return encode(self.tokenizer, text, chat)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: encode(self.tokenizer, text, chat))

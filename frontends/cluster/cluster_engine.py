@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from engine import EngineConfig, RequestOutput, SamplingParams, StepRecord
 from engine.block_hash import prefix_block_hashes
 from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
-from frontends.cluster.prompt import prompt_ids
+from engine.chat_prompt import prompt_ids
 from frontends.cluster.replica import ACCEPTED, Refusal
 from frontends.cluster.router import Router
 

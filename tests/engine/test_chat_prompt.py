@@ -14,7 +14,7 @@ from tokenizers import processors
 from engine.chat_prompt import chat_prompt, encode
 from engine.errors import RequestError
 from engine.model.tiny import tiny_tokenizer
-from frontends.cluster.prompt import prompt_ids
+from engine.chat_prompt import prompt_ids
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

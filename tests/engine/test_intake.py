@@ -175,18 +175,18 @@ async def test_an_abort_does_not_wait_behind_other_prompts_being_tokenized(tiny_
     generating and holding its KV meanwhile. It goes to the scheduler once intake let go."""
     import threading
 
-    from engine import intake
+    from engine import chat_prompt
     from engine.chat_prompt import LONG_PROMPT_CHARS
 
     release = threading.Event()
-    encode_for_real = intake.encode
+    encode_for_real = chat_prompt.encode
 
     def encode(tokenizer, text, chat):  # on intake's tokenizer thread (a long prompt)
         if text.startswith("SLOW"):
             release.wait(30)
         return encode_for_real(tokenizer, text, chat)
 
-    monkeypatch.setattr(intake, "encode", encode)
+    monkeypatch.setattr(chat_prompt, "encode", encode)
     async with asyncio.timeout(60):
         async with Engine(tiny_config(), loaded=tiny_model) as engine:
             running = await engine.submit([3, 4, 5], greedy(1000))

@@ -1,5 +1,6 @@
-"""The ingress tokenizes as the engine's intake does: same ids for the prompt (a chat through
-the chat template), same refusals with the same field named. Runs without Ray."""
+"""The ingress tokenizes with the engine intake's function (engine/chat_prompt.py): the same
+ids for the prompt (a chat through the chat template), the same refusals with the same field
+named. Runs without Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.errors import RequestError
-from frontends.cluster.prompt import LONG_PROMPT_CHARS, prompt_ids
+from engine.chat_prompt import LONG_PROMPT_CHARS, prompt_ids
 from tests.frontends.conftest import tiny_config
 
 CASES = [
