@@ -26,8 +26,8 @@ from pathlib import Path
 
 from engine.bench import report, workload
 from engine.cli_args import number, positive_int
-from engine.config import (ClusterConfig, EngineConfig, ModelConfig, ServerConfig, config_path, parse_sweep,
-                           parse_value)
+from engine.config import (DTYPES, ClusterConfig, EngineConfig, ModelConfig, ServerConfig, config_path,
+                           parse_sweep, parse_value)
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -45,6 +45,10 @@ CLUSTER_KEYS = tuple(f.name for f in dataclasses.fields(ClusterConfig))
 SIM_ROUTER = {v: k for k, v in ROUTERS.items()}  # [cluster] router's name -> --router's
 MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request
 MAX_REQUESTS = 10_000_000  # a trace is built in memory before the run: more is a typo, not a plan
+GOODPUT_START = 1.0  # req/s: the goodput search's first rate unless --goodput-start says otherwise
+# The keys `calibrate --steps` records (or, weight_format, splits by) without --run; any other
+# --set only shapes the real run, so without --run it would change nothing (refused).
+RECORDED_KEYS = ("model", "dtype", "kv_cache_dtype", "weight_format")
 
 
 _num_requests_arg = number(int, 1, high=MAX_REQUESTS)
@@ -82,22 +86,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--slo-itl-ms", type=_positive)
     r.add_argument("--goodput", action="store_true",
                    help=f"find the highest rate at which >= {goodput.TARGET * 100:.0f}%% of requests meet both SLOs (bisection)")
-    r.add_argument("--goodput-start", type=_positive, default=1.0,
-                   help="the first rate the goodput search tries (and, without --rate, the base run's rate)")
+    r.add_argument("--goodput-start", type=_positive,
+                   help=f"--goodput: the first rate the search tries (and, without --rate, the base run's rate; "
+                        f"default {GOODPUT_START:g})")
     r.add_argument("--save-steps", metavar="PATH", help="write replica 0's StepRecords as JSONL (one run, not a sweep)")
     r.add_argument("--out", default="sim-out")
     r.add_argument("--no-plots", action="store_true")
     c = sub.add_parser("calibrate", help="fit a step-time calibration from a real run's steps")
     c.add_argument("--steps", action="append", default=[], metavar="PATH", help="StepRecord JSONL (engine-bench --save-steps)")
     c.add_argument("--run", action="store_true", help="make a short real run of --workload on the configured model (needs torch)")
-    c.add_argument("--workload", default="mixed", choices=sorted(workload.WORKLOADS), help="--run: the workload")
+    c.add_argument("--workload", choices=sorted(workload.WORKLOADS), help="--run: the workload (default mixed)")
     c.add_argument("--num-requests", type=_num_requests_arg, help="--run: the workload size")
     c.add_argument("--config", help="the config file (default ./config.toml when there is one, else the built-in "
                                     "defaults)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine config override (--run)")
     c.add_argument("--model", help="the model name to record; needed with --steps alone, as a steps file does not "
                                    "say which model ran it (--set model=NAME does too); --run: default the run's model")
-    c.add_argument("--dtype", help="the dtype to record (default: the config's)")
+    c.add_argument("--dtype", choices=DTYPES, help="the dtype to record (default: the config's)")
     c.add_argument("--max-model-len", type=positive_int, help="the model's context (--run: read from the model)")
     c.add_argument("--split-rows", type=number(int, 0),
                    help="fit steps of at most this many rows apart (default: where the GGUF kernel hands over to "
@@ -171,6 +176,34 @@ def _refuse_unsimulated(flag: str, key: str, command: str) -> None:
                          f"does not change here; calibrate with it (engine-sim calibrate --run --set {key}=...)")
 
 
+def _as_calibrated(config: EngineConfig, cal: Calibration, args) -> EngineConfig:
+    """The config with the calibration's model, dtype and KV cache dtype where it records them, so
+    that results.json's config is what was simulated. A config file's [model] keys are the server's
+    too (the default ./config.toml names the served model), so they are overridden, not refused as
+    --set refuses them; a config that asked for another is told so."""
+    updates = {}
+    if cal.model and cal.model != config.model.model:
+        updates["model"] = cal.model
+    if cal.dtype and cal.dtype != config.model.dtype:
+        updates["dtype"] = cal.dtype
+    dtype = updates.get("dtype", config.model.dtype)
+    kv = cal.kv_cache_dtype or cal.dtype  # recorded since kv_cache_dtype could differ from the model's
+    if kv and kv != config.cache.kv_dtype_for(dtype):
+        updates["kv_cache_dtype"] = "auto" if kv == dtype else kv
+    if not updates:
+        return config
+    asked = {"model": config.model.model, "dtype": config.model.dtype, "kv_cache_dtype": config.cache.kv_cache_dtype}
+    source = config_path(args.config) or "the built-in defaults"
+    print(f"{source}: {', '.join(f'{k} = {asked[k]}' for k in updates)} not simulated: step times are the "
+          f"calibration's ({cal.model or '?'}, {cal.dtype or '?'}, KV {cal.kv_cache_dtype or '?'}), and results.json's "
+          "config says so; calibrate with them to simulate them (engine-sim calibrate --run --set KEY=...)",
+          file=sys.stderr)
+    try:
+        return config.with_overrides(**updates)
+    except ValueError as e:
+        raise SystemExit(f"--calibration {args.calibration}: {e}") from None
+
+
 def _targets(args, base: EngineConfig) -> list[tuple[str, EngineConfig, int, str]]:
     """(name, config, replicas, router) per run: replicas and router are the config's [cluster] keys."""
     def target(name: str, config: EngineConfig):
@@ -225,7 +258,11 @@ def _num_requests(args, rate: float) -> int | None:
 def _base_rate(args) -> float:
     """--rate; under --goodput over a duration without one, the search's first rate."""
     rate = args.rate or 0.0
-    return args.goodput_start if rate <= 0 and args.goodput and args.duration_s is not None else rate
+    return _goodput_start(args) if rate <= 0 and args.goodput and args.duration_s is not None else rate
+
+
+def _goodput_start(args) -> float:
+    return GOODPUT_START if args.goodput_start is None else args.goodput_start
 
 
 def _check_trace_flags(args) -> None:
@@ -241,6 +278,9 @@ def _check_trace_flags(args) -> None:
         raise SystemExit("--num-requests: --duration-s sets the number of requests (rate x duration); give one")
     if args.cv is not None and args.arrival != "gamma":
         raise SystemExit("--cv shapes gamma arrivals: add --arrival gamma (Poisson gaps have cv 1)")
+    if args.arrival is not None and not args.trace and not args.rate and not args.goodput:
+        raise SystemExit(f"--arrival {args.arrival}: without a --rate > 0 every request arrives at once (or, on the "
+                         "spike workloads, when the spike says), so the arrival process would change nothing")
 
 
 def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
@@ -293,19 +333,26 @@ def _run(args) -> dict:
                          "requests becomes one burst at a high rate, which any cluster drains)")
     if args.save_steps and args.sweep:
         raise SystemExit("--save-steps writes one run's steps: not with --sweep")
+    if args.goodput_start is not None and not args.goodput:
+        raise SystemExit("--goodput-start: only the --goodput search reads it; add --goodput (and the SLOs)")
     _check_trace_flags(args)
     base = _base_config(args, _overrides(args))
-    targets = _targets(args, base)
-    _refuse_unrouted(args, targets)
     try:
         cal = Calibration.load(args.calibration)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--calibration: {e}") from None
+    base = _as_calibrated(base, cal, args)
+    targets = _targets(args, base)
+    _refuse_unrouted(args, targets)
     if doubt := cal.doubt():
         print(f"{args.calibration}: {doubt}", file=sys.stderr)
     if args.step_noise and cal.forward_ratios is None:
         print(f"{args.calibration} has no step ratios (an older calibration): every step lasts its prediction, "
               "without step noise; `engine-sim calibrate` again to have them", file=sys.stderr)
+    if cal.max_model_len is None:
+        print(f"{args.calibration} has no max_model_len: no context limit is applied, so a request longer than "
+              "the model's context runs instead of failing as intake would refuse it; `engine-sim calibrate "
+              "--max-model-len N` to have one", file=sys.stderr)
     trace = _trace(args)
     out_dir = Path(args.out)
     try:
@@ -329,7 +376,7 @@ def _run(args) -> dict:
                              seed=args.seed)
                 return goodput.fraction_meeting(r.timings, _s(args.slo_ttft_ms), _s(args.slo_itl_ms))
 
-            rate, probes = goodput.find(probe, args.goodput_start)
+            rate, probes = goodput.find(probe, _goodput_start(args))
             bounded = any(frac < goodput.TARGET for _, frac in probes)
             found[name] = {"rate": rate, "bounded": bounded, "probes": probes}
             results[name]["goodput_rate"] = rate
@@ -341,7 +388,8 @@ def _run(args) -> dict:
                                 "arrival": args.arrival or "poisson", "cv": 1.0 if args.cv is None else args.cv},
         "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
         "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype,
-                        "kv_cache_dtype": cal.kv_cache_dtype or None, "cpu": cal.cpu,
+                        "kv_cache_dtype": cal.kv_cache_dtype or None, "max_model_len": cal.max_model_len,
+                        "cpu": cal.cpu,
                         "source": cal.source, "forward_error_p50": cal.forward_error_p50},
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "target_fraction": goodput.TARGET},
         "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]},
@@ -393,6 +441,14 @@ def _calibrate(args) -> Calibration:
     if not args.steps and not args.run:
         raise SystemExit("calibrate needs --steps PATH (engine-bench --save-steps) or --run")
     overrides = _overrides(args)
+    if not args.run:  # flags that shape the real run change nothing without one
+        given = [flag for flag, v in (("--workload", args.workload), ("--num-requests", args.num_requests))
+                 if v is not None]
+        given += [f"--set {key}" for key, _, _ in (item.partition("=") for item in args.set)
+                  if key not in RECORDED_KEYS]
+        if given:
+            raise SystemExit(f"{given[0]}: only --run reads it (a run on the configured model); with --steps alone "
+                             f"{', '.join(given)} would change nothing")
     # A steps file does not say which model ran it: the name recorded is the one given (or --run's
     # model), never the config's default passed off as the steps' model.
     model = args.model or overrides.get("model")
@@ -409,7 +465,7 @@ def _calibrate(args) -> Calibration:
     if args.run:
         from engine.sim.calibration_run import calibration_run
 
-        run_records, run_max_len, run_model = calibration_run(base, args.workload, args.num_requests)
+        run_records, run_max_len, run_model = calibration_run(base, args.workload or "mixed", args.num_requests)
         records += run_records
         max_len = max_len or run_max_len
         model = model or run_model
@@ -418,7 +474,7 @@ def _calibrate(args) -> Calibration:
                  else args.split_rows or None)
         dtype = args.dtype or base.model.dtype
         cal = fit(records, split_rows=split, model=model, dtype=dtype, kv_cache_dtype=base.cache.kv_dtype_for(dtype),
-                  cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + args.workload] if args.run else [])))
+                  cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + (args.workload or "mixed")] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     try:
@@ -440,6 +496,9 @@ def main(argv=None) -> None:
         print(f"model {cal.model} ({cal.dtype}, KV {cal.kv_cache_dtype}) on {cal.cpu.get('model')}; wrote {args.out}")
         if doubt := cal.doubt():
             print(f"warning: {doubt}", file=sys.stderr)
+        if cal.max_model_len is None:
+            print("warning: no --max-model-len: `engine-sim run` on this calibration applies no context limit "
+                  "(requests longer than the model's context run instead of failing)", file=sys.stderr)
         return
     summary = _run(args)
     cal = summary["calibration"]

@@ -13,6 +13,7 @@ task waits on something no one will ever send: `Stalled` is raised rather than h
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 
 
@@ -57,6 +58,18 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.clock.now
+
+    # asyncio runs a timer once `when < time() + _clock_resolution`. Its 1e-9 s is lost in a
+    # clock past ~1.7e7 s (a double's spacing there is 3.7e-9 s): a timer due exactly now
+    # would never run, and select(0) does not move the clock, so the loop spun for ever. One
+    # step of the clock's own spacing, at least asyncio's 1e-9 s, is "now" at any magnitude.
+    @property
+    def _clock_resolution(self) -> float:
+        return max(1e-9, math.ulp(self.clock.now))
+
+    @_clock_resolution.setter
+    def _clock_resolution(self, _: float) -> None:
+        pass  # BaseEventLoop.__init__ sets the real clock's
 
 
 def run_virtual(coro):

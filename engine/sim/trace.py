@@ -27,6 +27,10 @@ from engine.bench import workload
 from engine.bench.workload import BenchRequest
 
 ARRIVALS = ("poisson", "gamma")
+# arrival_s is an offset from the start of the run, and a run's figures (duration, throughput)
+# count from that start. A trace whose first request comes a day or more in is a clock time
+# (a log's Unix timestamps), which would spread its traffic over decades of idle run: refused.
+MAX_FIRST_ARRIVAL_S = 86_400.0
 
 
 class TraceRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -73,6 +77,11 @@ def load(path: str | Path) -> list[TraceRequest]:
             out.append(req)
     if not out:
         raise ValueError(f"{path}: the trace is empty")
+    first = min(r.arrival_s for r in out)
+    if first >= MAX_FIRST_ARRIVAL_S:
+        raise ValueError(f"{path}: arrival_s is the offset in seconds from the start of the run, but the first "
+                         f"request's is {first:.6g} s, a clock time (a Unix timestamp?): subtract the first "
+                         "arrival_s from every line")
     return out
 
 

@@ -20,6 +20,7 @@ from tests.sim.util import CAL, config
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["--config", str(REPO / "config.toml"), "--set", "num_blocks=256"]  # the model is the calibration's
 COMMON = [*RUN, "--set", "model=tiny-random"]
+CALIBRATE = ["--config", str(REPO / "config.toml"), "--set", "model=tiny-random"]  # --steps: num_blocks changes nothing
 
 
 def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
@@ -29,11 +30,11 @@ def test_bench_trace_and_steps_calibrate_and_replay(tmp_path, capsys):
     real = json.loads((tmp_path / "bench" / "results.json").read_text())["results"]["chunked"]
     trace = traces.load(tmp_path / "trace.jsonl")
     assert len(trace) == 8 and sum(r.output_tokens for r in trace) == real["output_tokens"]
-    cli.main(["calibrate", *COMMON, "--steps", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "cal.json")])
+    cli.main(["calibrate", *CALIBRATE, "--steps", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "cal.json")])
     cal = Calibration.load(tmp_path / "cal.json")
     assert cal.model == "tiny-random" and cal.dtype == "float32" and cal.cpu["model"] and cal.num_steps == real["num_steps"]
     assert cal.kv_cache_dtype == "float32"  # "auto": the model's
-    cli.main(["calibrate", *COMMON, "--set", "kv_cache_dtype=float16", "--steps", str(tmp_path / "steps.jsonl"),
+    cli.main(["calibrate", *CALIBRATE, "--set", "kv_cache_dtype=float16", "--steps", str(tmp_path / "steps.jsonl"),
               "--out", str(tmp_path / "cal16.json")])  # as for steps of a float16-KV run: recorded as said
     assert Calibration.load(tmp_path / "cal16.json").kv_cache_dtype == "float16"
     cli.main(["run", *RUN, "--set", "policy=chunked", "--calibration", str(tmp_path / "cal.json"),
@@ -99,6 +100,11 @@ def test_goodput_over_a_duration_needs_no_rate(tmp_path):
     (["--trace", "t.jsonl", "--num-requests", "4"], "--num-requests: --trace replays"),
     (["--rate", "1", "--duration-s", "5", "--num-requests", "4"], "--num-requests: --duration-s sets the number"),
     (["--cv", "2"], "--cv shapes gamma arrivals: add --arrival gamma"),
+    # flags that changed nothing and were taken silently
+    (["--goodput-start", "2"], "--goodput-start: only the --goodput search reads it"),
+    (["--arrival", "gamma"], "--arrival gamma: without a --rate > 0 every request arrives at once"),
+    (["--arrival", "gamma", "--rate", "0"], "--arrival gamma: without a --rate > 0"),
+    (["--workload", "spike", "--arrival", "poisson"], "--arrival poisson: without a --rate > 0 .* spike"),
 ])
 def test_refusals(tmp_path, args, why):
     CAL.save(tmp_path / "cal.json")
@@ -156,6 +162,7 @@ def test_the_cluster_is_the_config_s_unless_flags_say_otherwise(tmp_path):
     (["calibrate", "--steps", "s.jsonl", "--max-model-len", "-5"], "argument --max-model-len: must be >= 1, got -5"),
     (["calibrate", "--steps", "s.jsonl", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
     (["calibrate", "--steps", "s.jsonl", "--split-rows", "-1"], "argument --split-rows: must be >= 0, got -1"),
+    (["calibrate", "--steps", "s.jsonl", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else "")
 def test_meaningless_flag_values_are_argparse_errors(args, why, tmp_path, capsys):
     """They were tracebacks (--replicas 0, --rate inf), or ran as something else (--num-requests 0:
@@ -192,3 +199,50 @@ def test_calibrate_from_steps_records_the_model_it_is_told(tmp_path):
         cli.main([*calibrate, "--model", "m", "--config", "/nonexistent/config.toml"])
     cli.main([*calibrate, "--model", "smollm2-360m"])
     assert Calibration.load(tmp_path / "cal.json").model == "smollm2-360m"
+
+
+@pytest.mark.parametrize("args", [["--workload", "spike"], ["--num-requests", "8"], ["--set", "num_blocks=256"],
+                                  ["--set", "max_step_ms=400"]], ids=" ".join)
+def test_calibrate_refuses_run_flags_without_run(args, tmp_path):
+    """They shape `--run`'s real run; with --steps alone they were accepted and changed nothing."""
+    flag = f"--set {args[1].partition('=')[0]}" if args[0] == "--set" else args[0]
+    with pytest.raises(SystemExit, match=f"^{flag}: only --run reads it"):
+        cli.main(["calibrate", "--steps", "s.jsonl", "--model", "m", "--out", str(tmp_path / "c.json"), *args])
+
+
+def _trace_summary(tmp_path, trace) -> dict:
+    cli.main(["run", "--calibration", str(tmp_path / "cal.json"), "--trace", str(trace), "--set", "num_blocks=1024",
+              "--no-plots", "--out", str(tmp_path / "sim")])
+    return json.loads((tmp_path / "sim" / "results.json").read_text())
+
+
+def test_no_context_limit_is_said(tmp_path, capsys):
+    """A calibration without max_model_len ran an 8,500-token request silently, where intake refuses it."""
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"arrival_s": 0, "prompt_tokens": 8400, "output_tokens": 100}\n')
+    CAL.save(tmp_path / "cal.json")
+    summary = _trace_summary(tmp_path, long)
+    assert summary["calibration"]["max_model_len"] is None
+    assert "has no max_model_len: no context limit is applied" in capsys.readouterr().err
+    msgspec.structs.replace(CAL, max_model_len=8192).save(tmp_path / "cal.json")
+    summary = _trace_summary(tmp_path, long)
+    (result,) = summary["results"].values()
+    assert summary["calibration"]["max_model_len"] == 8192 and result["num_failed"] == 1
+    assert "no context limit" not in capsys.readouterr().err
+
+
+def test_results_config_is_the_calibration_s_model(tmp_path, capsys):
+    """--config's [model] keys reached results.json (gemma3-270m, KV float16) while the step times
+    simulated were the calibration's (here "fake", float32)."""
+    CAL.save(tmp_path / "cal.json")
+    other = tmp_path / "other.toml"
+    other.write_text('[model]\nmodel = "gemma3-270m"\n\n[cache]\nkv_cache_dtype = "float16"\n')
+    summary = _run_summary(tmp_path, "--config", str(other))
+    model, cache = summary["config"]["model"], summary["config"]["cache"]
+    assert (model["model"], model["dtype"], cache["kv_cache_dtype"]) == ("fake", "float32", "auto")
+    assert (f"{other}: model = gemma3-270m, kv_cache_dtype = float16 not simulated: step times are the "
+            "calibration's (fake, float32, KV ?)") in capsys.readouterr().err  # CAL predates the KV dtype: the model's
+    same = tmp_path / "same.toml"
+    same.write_text('[model]\nmodel = "fake"\n')
+    summary = _run_summary(tmp_path, "--config", str(same))
+    assert summary["config"]["model"]["model"] == "fake" and "not simulated" not in capsys.readouterr().err

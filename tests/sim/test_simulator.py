@@ -4,11 +4,12 @@ preemption, refusals as intake refuses, replicas behind each router."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
 from engine.sim import trace as traces
-from engine.sim.simulator import simulate
+from engine.sim.simulator import BURST_SPAN_S, simulate
 from engine.sim.trace import TraceRequest
 from tests.sim.util import CAL, config
 
@@ -150,3 +151,46 @@ def test_static_batch_timeout_ends_on_the_virtual_clock(arrival):
     res = simulate(trace, config(policy="static", batch_timeout_ms=50, max_num_seqs=8), CAL)
     t = res.timings[0]
     assert t.ok and t.num_output_tokens == 5 and t.first_token >= arrival + 0.05
+
+
+def test_a_run_past_2e7_simulated_seconds_ends():
+    """At 2e7 s asyncio's timer test `when < now + 1e-9` fails for a timer due now: the run spun
+    at 100 % CPU for ever (a long trace, or one of Unix-epoch arrivals)."""
+    trace = [TraceRequest(arrival_s=3e7 + 1.5 * i, prompt_tokens=100, output_tokens=10) for i in range(3)]
+    out = []
+    t = threading.Thread(target=lambda: out.append(simulate(trace, config(), CAL)), daemon=True)
+    t.start()
+    t.join(30)  # on a thread: a run that spins fails the test instead of hanging it
+    assert out, "the simulation did not end"
+    assert all(t.ok and t.num_output_tokens == 10 and 0 < t.ttft < 1 for t in out[0].timings)
+
+
+def test_first_come_first_served_by_arrival_not_by_trace_line():
+    """Request.arrival was the trace's line number: of two requests waiting behind a long one,
+    the later arrival on the earlier line ran first (intake stamps arrivals as it accepts them)."""
+    trace = [TraceRequest(arrival_s=1.0, prompt_tokens=50, output_tokens=5, tag="late"),
+             TraceRequest(arrival_s=0.5, prompt_tokens=50, output_tokens=5, tag="early"),
+             TraceRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=400, tag="blocker")]
+    res = simulate(trace, config(policy="continuous", max_num_seqs=1), CAL)
+    late, early, blocker = res.timings
+    assert blocker.end < early.first_token < early.end < late.first_token
+
+
+def test_a_bench_burst_is_sent_whole():
+    """engine-bench stamps the 64 requests of one event-loop turn 30-300 µs apart (2-3 ms in all):
+    the engine's scheduler sees them together, so the simulated one must too."""
+    gaps = [300e-6 if i % 16 == 0 else 30e-6 for i in range(63)]
+    trace = [TraceRequest(arrival_s=sum(gaps[:i]), prompt_tokens=16, output_tokens=4) for i in range(64)]
+    assert 0.002 < trace[-1].arrival_s < 0.003
+    res = simulate(trace, config(policy="continuous", max_num_seqs=64), CAL, keep_steps=True)
+    assert {t.arrival for t in res.timings} == {0.0}
+    assert len(res.steps[0].items) == 64  # one step prefills them all
+
+
+def test_a_train_of_close_requests_is_not_one_burst():
+    """Requests 0.9 ms apart chained into one burst: 1,000 of them over 0.9 s were all sent at 0,
+    the last one's TTFT counted from 0.9 s before it arrived."""
+    trace = [TraceRequest(arrival_s=0.0009 * i, prompt_tokens=20, output_tokens=2) for i in range(1000)]
+    res = simulate(trace, config(max_num_seqs=64), CAL, replicas=4)
+    for r, t in zip(trace, res.timings):
+        assert r.arrival_s - BURST_SPAN_S < t.arrival <= r.arrival_s

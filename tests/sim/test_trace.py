@@ -79,3 +79,16 @@ def test_from_bench_keeps_send_times_and_drops_gates():
     assert [r.arrival_s for r in t] == pytest.approx([0.1 * i for i in range(len(reqs))])
     assert all(r.after_tokens == 0 and r.after_gate_s == 0 for r in t)
     assert [r.tag for r in t][-2:] == ["long-1", "long-2"]
+
+
+def test_clock_time_arrivals_are_refused_naming_the_field(tmp_path):
+    """Unix-timestamp arrival_s hung engine-sim, and once the clock could reach them every figure
+    counted from 1970: 1.7e9 s of duration, throughput ~1e-8 tokens/s."""
+    path = tmp_path / "epoch.jsonl"
+    path.write_text('{"arrival_s": 1765000000.0, "prompt_tokens": 100, "output_tokens": 10}\n'
+                    '{"arrival_s": 1765000001.5, "prompt_tokens": 100, "output_tokens": 10}\n')
+    with pytest.raises(ValueError, match=r"arrival_s is the offset .* first request's is 1.765e\+09 s, a clock time"):
+        traces.load(path)
+    path.write_text('{"arrival_s": 86399, "prompt_tokens": 1, "output_tokens": 1}\n'
+                    '{"arrival_s": 2e7, "prompt_tokens": 1, "output_tokens": 1}\n')
+    assert len(traces.load(path)) == 2  # a late request is fine; it is the start that must be the run's
