@@ -80,14 +80,12 @@ class Scheduler:
     # --- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        timeout: float | None = None
         while True:
             if not self.requests:
                 await self._idle()  # all done: send the last frees, publish what ended, then wait
             # self.requests also holds finished requests a static batch still keeps
-            if not await self._receive(block=not self.requests, timeout=timeout):
+            if not await self._receive(block=not self.requests):
                 return
-            timeout = None
             self.preempted_this_step = False
             if self.priority_aging_s > 0:
                 self._age_waiting()
