@@ -17,9 +17,10 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.admission import check_fits, check_room
 from engine.chat_prompt import prompt_ids
 from engine.detokenizer import Detokenizer
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
+from engine.errors import EngineDeadError, RequestAbortedError, RequestError
 from engine.messages import AbortRequest, IntakeMsg, Shutdown, Submit
 from engine.request import CHOICE_SEPARATOR, Request, choice_seed
 from engine.structured.compiler import GrammarCache
@@ -130,8 +131,7 @@ class Intake:
         if self.max_num_seqs is not None and msg.params.n > self.max_num_seqs:
             raise RequestError(f"n={msg.params.n} is more than the {self.max_num_seqs} sequences a step may run "
                                "(max_num_seqs)", "n")
-        if self.num_waiting() + self.num_compiling >= self.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
+        check_room(self.num_waiting() + self.num_compiling, self.max_waiting)
         if msg.params.structured_output is None:
             return await self._build(msg)
         # Schema requests are admitted in parallel tasks: each counts as waiting from its check
@@ -147,20 +147,7 @@ class Intake:
         if not ids:
             raise RequestError("prompt is empty", "prompt")
         check_prompt_ids(ids, self.vocab_size)
-        total = len(ids) + msg.params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(ids)} in the prompt, {msg.params.max_tokens} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                "prompt" if len(ids) >= self.max_model_len else "max_tokens",
-            )
-        if total > self.kv_capacity_tokens:
-            raise ContextLengthError(
-                f"request needs {total} tokens of KV cache ({len(ids)} prompt + {msg.params.max_tokens} "
-                f"completion) but the whole pool holds {self.kv_capacity_tokens}; it could never run",
-                "prompt" if len(ids) >= self.kv_capacity_tokens else "max_tokens",
-            )
+        check_fits(len(ids), msg.params.max_tokens, self.max_model_len, self.kv_capacity_tokens)
         if any(t >= self.vocab_size for t in msg.params.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         if any(t >= self.vocab_size for t in msg.params.stop_token_ids):  # could never stop the request

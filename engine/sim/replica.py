@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from engine.admission import check_fits, check_room
 from engine.block_manager import BlockManager, BlockManagerClient, Stop
 from engine.bench.stats import RequestTiming
 from engine.config import EngineConfig
+from engine.errors import QueueFullError, RequestError
 from engine.kv_ledger import KVLedger
 from engine.messages import RequestOutput, Shutdown, StepOutcome, StepPlan, StepRecord, StepResult
 from engine.policies import make_policy
@@ -123,14 +125,12 @@ class SimReplica:
         return self.scheduler.num_queued + len(self.scheduler.running)
 
     def refusal(self, req: Request) -> str | None:
-        """Why intake would refuse the request, if it would."""
-        if self.scheduler.num_queued >= self.config.scheduler.max_waiting:
-            return f"waiting queue is full ({self.config.scheduler.max_waiting} requests)"
-        total = req.num_prompt_tokens + req.params.max_tokens
-        if total > self.max_model_len:
-            return f"{total} tokens exceed the model's context of {self.max_model_len}"
-        if total > self.kv_capacity_tokens:
-            return f"request needs {total} tokens of KV cache but the whole pool holds {self.kv_capacity_tokens}"
+        """Why intake would refuse the request, if it would (intake's own rules)."""
+        try:
+            check_room(self.scheduler.num_queued, self.config.scheduler.max_waiting)
+            check_fits(req.num_prompt_tokens, req.params.max_tokens, self.max_model_len, self.kv_capacity_tokens)
+        except (QueueFullError, RequestError) as e:
+            return str(e)
         return None
 
     def add(self, req: Request) -> None:
