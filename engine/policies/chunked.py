@@ -17,13 +17,18 @@ Two budgets, both honoured:
 A new prompt's chunk is sized as if it had no context: its prefix-cache hits (or, after a
 preemption, its own blocks found again) are known only once the block manager grants the
 step, and they put the chunk after the cached tokens, where each token attends to more. Under
-a time budget, `granted` then cuts such a chunk back to what fits (at least one token).
+a time budget, `granted` then cuts such a chunk back to what fits (at least `min_chunk`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
 from engine.step_cost import shape_of
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @register
@@ -37,7 +42,7 @@ class ChunkedPolicy(BasePolicy):
         self.chunk_size = s.chunk_size
         self.max_step_s = s.max_step_ms / 1000
         self.min_chunk = s.min_chunk
-        self._admitted: list = []  # requests admitted in the step being planned, oldest first
+        self._admitted: list[Request] = []  # requests admitted in the step being planned, oldest first
 
     def schedule(self, view) -> list[Decision] | Idle:
         decisions: list[Decision] = []
@@ -124,9 +129,10 @@ class ChunkedPolicy(BasePolicy):
             rest = view.shape(e for e in decisions if e is not d and id(e) not in younger)
             ctx = d.request.num_computed_tokens
             fits = lambda n: view.predict(rest.plus(n, ctx, decode=False)) <= self.max_step_s  # noqa: E731
-            if fits(d.num_tokens):
+            floor = min(d.num_tokens, self.min_chunk)  # as planning gives a prompt: no slower start
+            if d.num_tokens == floor or fits(d.num_tokens):
                 continue
-            lo, hi = 1, d.num_tokens - 1  # the largest n that fits, at least one token
+            lo, hi = floor, d.num_tokens - 1  # the largest n that fits, at least the floor
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine import EngineConfig
 from engine.block_manager import BlockManager, BlockManagerClient
 from engine.detokenizer import Detokenizer
@@ -97,13 +99,18 @@ async def prefix_hit(submit) -> list[Request]:
     return [*streams, submit(101, 400, 4, prefix=first.prompt_token_ids)]
 
 
-async def test_a_prompt_that_hits_the_prefix_cache_is_sized_after_its_cached_tokens():
+@pytest.mark.parametrize("max_step_ms", [200, 15])  # 15: the decodes leave room for fewer than min_chunk
+async def test_a_prompt_that_hits_the_prefix_cache_is_sized_after_its_cached_tokens(max_step_ms):
     """It was sized as if it had no context (its hits are found when the step is granted), so
-    its 400 tokens after 1,600 cached ones made a step predicted ~1.5x over the budget."""
-    records = await run(int(MAX_STEP_S * 1000), prefix_hit, attention_heavy)
+    its 400 tokens after 1,600 cached ones made a step predicted ~1.5x over the budget. Cut
+    back, it still gets min_chunk tokens, as any prompt does."""
+    records = await run(max_step_ms, prefix_hit, attention_heavy)
     steps = [r for r in records if not r.is_idle and r.predicted_s is not None]
     hit = next(r for r in steps if any(it.request_id == "r101" for it in r.items))
     assert hit.num_cached_tokens == 1600
+    first = next(it.num_tokens for it in hit.items if it.request_id == "r101")
+    assert first >= 16  # min_chunk
     for r in steps:  # the prefix hit is within the budget, as every step with more than min_chunk prompt tokens
-        assert r.predicted_s <= MAX_STEP_S or r.num_prefill_tokens <= 16, (r.step, r.predicted_s, r.num_prefill_tokens)
+        assert r.predicted_s <= max_step_ms / 1000 or r.num_prefill_tokens <= 16, (r.step, r.predicted_s,
+                                                                                   r.num_prefill_tokens)
     assert sum(it.num_tokens for r in steps for it in r.items if it.request_id == "r101" and it.kind == "prefill") == 400
