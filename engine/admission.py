@@ -1,11 +1,19 @@
-"""The rules that refuse a request for its size before it runs, shared by the engine's intake
-and the simulator's replicas (which refuse what intake would): room in the waiting queue, and a
-prompt plus completion that fits the model's context and the whole KV pool. They import
+"""The rules that refuse a request before it runs, shared by the engine's intake, the
+simulator's replicas (which refuse what intake would) and the cluster's ingress: token ids the
+model has, room in the waiting queue, and a prompt plus completion that fits the model's
+context and the whole KV pool. They import
 nothing heavy, so the simulator runs without torch."""
 
 from __future__ import annotations
 
-from engine.errors import ContextLengthError, QueueFullError
+from engine.errors import ContextLengthError, QueueFullError, RequestError
+
+
+def check_prompt_ids(ids: list, vocab_size: int) -> None:
+    """A prompt's token ids are ids the model has (also checked by an echo before it decodes
+    them, and by the cluster's ingress before it hashes them)."""
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
 
 
 def check_room(num_queued: int, max_waiting: int) -> None:

@@ -17,19 +17,13 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.admission import check_fits, check_room
+from engine.admission import check_fits, check_prompt_ids, check_room
 from engine.chat_prompt import prompt_ids
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineDeadError, RequestAbortedError, RequestError
 from engine.messages import AbortRequest, IntakeMsg, Shutdown, Submit
 from engine.request import CHOICE_SEPARATOR, Request, choice_seed
 from engine.structured.compiler import GrammarCache
-
-
-def check_prompt_ids(ids: list, vocab_size: int) -> None:
-    """A prompt's token ids are ids the model has (also checked by an echo before it decodes them)."""
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
 
 
 class Intake:

@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine import EngineConfig, RequestOutput, SamplingParams, StepRecord
+from engine.admission import check_prompt_ids
 from engine.block_hash import prefix_block_hashes
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from engine.chat_prompt import prompt_ids
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from frontends.cluster.replica import ACCEPTED, Refusal
 from frontends.cluster.router import Router
 
@@ -111,6 +112,7 @@ class ClusterEngine:
         params.validate()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
+        check_prompt_ids(ids, len(self.tokenizer))  # before hashing them (an id past 2^63 cannot be)
         hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
         full: dict[str, Exception] = {}  # replicas whose waiting queue refused it: the others may have room
         for _ in range(len(self.handles)):

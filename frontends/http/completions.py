@@ -9,7 +9,7 @@ from msgspec import UNSET
 
 from engine import RequestOutput
 from engine.errors import RequestError
-from engine.intake import check_prompt_ids
+from engine.admission import check_prompt_ids
 from frontends.http.errors import ApiError, from_engine
 from frontends.http.fields import check_refused
 from frontends.http.generate import Job, ensure_ready, generate

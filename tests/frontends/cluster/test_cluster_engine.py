@@ -107,3 +107,14 @@ async def test_a_hung_replicas_step_stream_ends_at_shutdown_or_when_marked_down(
     else:
         down.set_exception(ReplicaGone("replica-0 is down"))
     assert await asyncio.wait_for(reader, 1) == "ended"
+
+
+@pytest.mark.parametrize("ids", [[2**64 - 1] * 16, ["a"] * 16, [-1, 5]])
+async def test_prompt_ids_the_model_lacks_are_refused_as_intake_refuses_them(ids):
+    """The ingress hashed them first: OverflowError / TypeError (a 500) instead of the 400."""
+    from engine.errors import RequestError
+
+    engine, handles = cluster(ACCEPTED)
+    with pytest.raises(RequestError, match=r"prompt token ids must be integers in \[0, ") as e:
+        await engine.submit(ids, SamplingParams(max_tokens=1))
+    assert e.value.param == "prompt" and handles[0].calls == 0
