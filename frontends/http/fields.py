@@ -33,6 +33,10 @@ _SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
 
 # Structured output (engine/structured/): OpenAI's response_format, vLLM's guided_json / structured_outputs.
 _STRUCTURED = {"response_format", "guided_json", "structured_outputs"}
+# vLLM's structured_outputs keys besides `json`: refused as not implemented (any other key is unrecognized)
+STRUCTURED_OUTPUTS_REFUSED = frozenset({"regex", "choice", "grammar", "json_object", "structural_tag", "backend",
+                                        "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
+                                        "disable_additional_properties"})
 
 IMPLEMENTED: dict[Endpoint, frozenset[str]] = {
     "completions": frozenset(_SAMPLING | _STRUCTURED | {"prompt", "echo", "logprobs"}),

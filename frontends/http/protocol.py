@@ -24,6 +24,7 @@ from msgspec import UNSET, Struct, UnsetType
 from engine import RequestError, SamplingParams, StructuredOutput
 from engine.request import MAX_LOGPROBS
 from frontends.http.errors import ApiError, from_engine
+from frontends.http.fields import STRUCTURED_OUTPUTS_REFUSED
 from frontends.http.tool_protocol import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 # --- requests -------------------------------------------------------------------------------
@@ -133,10 +134,11 @@ class SamplingFields(Struct, kw_only=True):
         if self.guided_json is not None:
             asked.append(StructuredOutput.from_schema(self.guided_json, "guided_json"))
         if self.structured_outputs is not None:
-            unsupported = sorted(set(self.structured_outputs) - {"json"})
-            if unsupported:
-                raise ApiError(400, f"structured_outputs.{unsupported[0]} is not supported (only json)",
-                               param=f"structured_outputs.{unsupported[0]}")
+            for key in sorted(set(self.structured_outputs) - {"json"}):
+                param = f"structured_outputs.{key}"
+                if key in STRUCTURED_OUTPUTS_REFUSED:
+                    raise ApiError(400, f"{param} is not supported (only json)", param=param, code="unsupported_field")
+                raise ApiError(400, f"unrecognized request field `{param}`", param=param, code="unrecognized_field")
             if "json" in self.structured_outputs:
                 asked.append(StructuredOutput.from_schema(self.structured_outputs["json"], "structured_outputs"))
         if len(asked) > 1:

@@ -139,3 +139,14 @@ async def test_invalid_structured_output_is_a_400_naming_the_field(server, kwarg
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **kwargs)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize("key, code", [("regex", "unsupported_field"), ("choice", "unsupported_field"),
+                                       ("bogus", "unrecognized_field")])
+async def test_a_structured_outputs_key_is_refused_as_vllm_s_or_as_unknown(server, key, code):
+    """An unknown key got code null, where one in response_format or stream_options is unrecognized_field."""
+    _, client = server
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                             extra_body={"structured_outputs": {"json": {}, key: 1}})
+    assert (e.value.body["param"], e.value.body["code"]) == (f"structured_outputs.{key}", code)
