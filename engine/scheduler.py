@@ -387,6 +387,7 @@ class Scheduler:
         for child in children:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.scheduled_time = parent.scheduled_time  # the group's prompt was scheduled for it too
             child.status = Status.RUNNING
             child.prompt_logprobs_sent = True  # the group's prompt logprobs go with choice 0's first output
             self.running.append(child)

@@ -184,6 +184,19 @@ async def test_choices_that_end_on_their_first_token(tiny_model, policy):
         await assert_drained(engine)
 
 
+async def test_every_choice_is_timed_from_when_its_group_was_scheduled(tiny_model):
+    """A forked choice never got its own stamp, so its queue time was its whole life."""
+    async with Engine(tiny_config(policy="continuous", block_size=BLOCK_SIZE), loaded=tiny_model) as engine:
+        recorder = await StepRecorder(engine).start()
+        await run_request(engine, prompt(9), greedy(20, n=3))
+        records = await recorder.caught_up()
+        ends = [f for r in records for f in r.finished]
+        assert len(ends) == 3
+        queued = [f.queue_s for f in ends]  # each choice's arrival is stamped as it is built: microseconds apart
+        assert max(queued) - min(queued) < 0.1 and all(f.queue_s < f.e2e_s and f.prefill_s > 0 for f in ends), ends
+        recorder.stop()
+
+
 async def test_aborting_a_group_ends_every_choice(tiny_model):
     async with Engine(tiny_config(policy="continuous", block_size=BLOCK_SIZE), loaded=tiny_model) as engine:
         async with asyncio.timeout(30):
