@@ -102,6 +102,15 @@ def not_ready(engine) -> ApiError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    response = await _errors_rendered(request, handler)
+    if response.status >= 400 and request.body_exists and not request.content.at_eof():
+        # refused before its body was read (401, 413, 404): close rather than read the rest to
+        # keep the connection, which for a gzip body means inflating what was refused
+        response.force_close()
+    return response
+
+
+async def _errors_rendered(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as e:

@@ -137,13 +137,32 @@ async def test_api_key(tiny_model):
             assert_openai_error(data, None, "API key")
             assert data["error"]["code"] == "invalid_api_key"
         assert (await client.get("/v1/models")).status == 401
-        assert (await client.get("/health")).status == 200  # not under /v1
+        assert (await client.get("/health")).status == 200  # public unless protect_health
         assert (await client.get("/metrics")).status == 200
+        assert (await client.get("/version")).status == 200
+        # not under /v1, but work a client could make expensive (a chat with thousands of tools)
+        assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
+        assert (await client.post("/detokenize", json={"tokens": [5]})).status == 401
+        assert (await client.get("/nothing")).status == 401
         good = {"Authorization": "Bearer sk-secret"}
         resp = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}, headers=good)
         assert resp.status == 200
         state = await (await client.get("/v1/engine/state", headers=good)).json()
         assert state["config"]["server"]["api_key"] == "<redacted>"
+        assert (await client.post("/tokenize", json={"prompt": "x"}, headers=good)).status == 200
+
+
+async def test_a_refused_body_is_not_read_on(tiny_model):
+    """A 401 came at once, but aiohttp then read (and inflated) the rest of the gzip body to keep
+    the connection: 1 GiB of zeros per megabyte sent, without a key. It closes instead."""
+    import gzip
+
+    body = gzip.compress(b"0" * (64 << 20))  # 64 MiB inflated, ~64 KB sent
+    async with serving(tiny_model, tiny_config(api_key="sk-secret")) as (_, client):
+        resp = await client.post(COMPLETIONS, data=body, headers={"Content-Encoding": "gzip",
+                                                                  "Content-Type": "application/json"})
+        assert resp.status == 401 and resp.headers.get("Connection", "").lower() == "close"
+        assert (await client.get("/health")).status == 200
 
 
 async def test_queue_full_is_503_with_retry_after(tiny_model):
