@@ -184,3 +184,23 @@ def test_patterns_xgrammar_compiles_quickly_are_accepted(pattern):
 @pytest.mark.parametrize("fmt", sorted(NON_EMPTY_FORMATS))
 def test_formats_whose_minlength_of_one_is_accepted_admit_no_empty_string(compiler, fmt):
     assert not accepts(compiler, {"type": "string", "format": fmt}, "")
+
+
+def _optional(n: int, required: int = 0) -> dict:
+    names = [f"p{i}" for i in range(n)]
+    return {"type": "object", "properties": dict.fromkeys(names, I), "required": names[:required]}
+
+
+@pytest.mark.parametrize("schema, accepted", [
+    (_optional(512), True),
+    (_optional(513), False),  # 1,600 compiled in 7 s, 3,200 in 135 s (SmolLM2), past any deadline
+    (_optional(3000, required=2600), True),  # required ones cost little (800: 0.06 s)
+    ({"type": "object", "properties": {f"o{j}": _optional(256) for j in range(7)}}, True),
+    ({"type": "object", "properties": {f"o{j}": _optional(256) for j in range(8)}}, False),  # 2,056 in all
+])
+def test_optional_properties_are_bounded_by_what_compiles_in_about_a_second(schema, accepted):
+    if accepted:
+        check_schema(schema)
+        return
+    with pytest.raises(RequestError, match="optional properties"):
+        check_schema(schema)
