@@ -23,6 +23,7 @@ An API key, when the server wants one, goes in `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -109,7 +110,7 @@ class HttpSource(StepSource):
         try:
             async for data in sse.events(resp.content):
                 try:
-                    yield self._decode_record(data)
+                    yield self._decode_record(printable(data))
                 except msgspec.ValidationError as e:
                     raise SourceUnavailable(f"server sent a step this monitor cannot read: {e}") from None
                 except msgspec.DecodeError as e:
@@ -142,7 +143,7 @@ class HttpSource(StepSource):
             return None
         self._state_failures = 0
         try:
-            return self._decode_state(body)
+            return self._decode_state(printable(body))
         except (msgspec.ValidationError, msgspec.DecodeError):
             self._state_supported = False  # a different contract: don't hammer it
             return None
@@ -183,10 +184,23 @@ class _ErrorBody(msgspec.Struct):
     error: _Error
 
 
+# Control characters in a JSON string: \u escapes of C0 (but \n, \t), DEL and C1, after an even
+# run of backslashes (an odd one escapes the backslash itself); \b \f \r; DEL and C1 raw in UTF-8.
+_CONTROL = re.compile(rb"(?<!\\)((?:\\\\)*)\\(?:u00(?:0[0-8bcdefBCDEF]|1[0-9a-fA-F]|7[fF]|[89][0-9a-fA-F])|[bfr])"
+                      rb"|\x7f|\xc2[\x80-\x9f]")
+
+
+def printable(body: bytes) -> bytes:
+    """A server's JSON with every control character in its strings made a "?", newlines and tabs
+    kept: a request id, model name or error text is shown in the terminal, where an escape
+    sequence would retitle the window, clear the screen or plant a link."""
+    return _CONTROL.sub(lambda m: (m.group(1) or b"") + b"?", body)
+
+
 def _error(body: bytes) -> _Error | None:
     """The OpenAI-shaped error in a response body, if it is one."""
     try:
-        return msgspec.json.decode(body, type=_ErrorBody).error
+        return msgspec.json.decode(printable(body), type=_ErrorBody).error
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
 

@@ -147,6 +147,8 @@ class MonitorState:
     def _add_rate(self, record: StepRecord) -> None:
         tokens = output_tokens(record)
         end = record.start_time + record.duration_s
+        if not math.isfinite(end):  # a server's nonsense (1e308 + 1e308) has no second to count in
+            return
         self._window.append((record.start_time, end, tokens))
         while self._window and self._window[0][1] < end - RATE_WINDOW_S:
             self._window.popleft()

@@ -453,14 +453,14 @@ class RequestTable(DataTable):
             else:
                 self.add_row(*cells, key=rid)
         rank = {rid: i for i, rid in enumerate(rows)}
-        self.sort("request", key=lambda rid: rank.get(rid, len(rank)))
+        self.sort("request", key=lambda cell: rank.get(str(cell), len(rank)))  # the id cell: a Text
 
     @staticmethod
     def _row(r: RequestSnapshot) -> tuple:
         computed = min(r.num_computed_tokens, r.num_prompt_tokens)
         state_style = "bold" if r.status == "running" else DIM
         return (
-            r.request_id,
+            Text(r.request_id),  # the server's string, not markup: "[/]" in an id raised MarkupError
             Text(r.status, style=state_style),
             str(r.priority),
             progress_cell(computed, r.num_prompt_tokens, KIND_COLOURS["prefill"]),

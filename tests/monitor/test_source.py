@@ -142,6 +142,31 @@ async def test_http_source_reads_steps_and_state(server):
         await source.close()
 
 
+async def test_http_source_turns_the_server_s_control_characters_into_question_marks(server):
+    """Escape sequences in ids, the model name or an error reached the terminal as they were:
+    a window title, a clear screen, a link planted under a request id."""
+    evil = "r\x1b]0;PWNED\x07\x1b[2J\x9b1m\x7f"
+    source = HttpSource(f"http://127.0.0.1:{server.port}/")
+    server.state = state(1, [(evil, 20, 20, 2, 16)])
+    server.state.config["model"]["model"] = evil
+    server.records.put_nowait(record(5, [(evil, "decode", 1, 7)]))
+    events = follow(source, state_interval_s=0.01, backoff=Backoff(0.05))
+    try:
+        async with contextlib.aclosing(events):
+            step = (await next_of(events, StepEvent)).record
+            st = (await next_of(events, StateEvent)).state
+            seen = [step.items[0].request_id, st.snapshot.running[0].request_id, st.config["model"]["model"]]
+            assert seen == ["r?]0;PWNED??[2J?1m?"] * 3
+    finally:
+        await source.close()
+
+
+def test_printable_keeps_newlines_tabs_and_escaped_backslashes():
+    from monitor.http_source import printable
+
+    assert msgspec.json.decode(printable(rb'"a\nb\tc\\u001b\\\u001b\u00e9"')) == "a\nb\tc\\u001b\\?é"
+
+
 async def test_http_source_server_down_then_up_then_gone(server):
     port = server.port
     await server.stop()  # nothing listens: "not up yet"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 import pytest
 
 from engine.messages import FinishedRequest
@@ -125,3 +127,11 @@ def test_requests_arriving_during_a_long_step_count_as_waiting():
     assert m.queues().num_waiting == 5
     m.add(record(6, [("a", "decode", 1, 8)], waiting=5))  # the arrivals joined the queue at step 6
     assert m.queues().num_waiting == 5
+
+
+def test_a_step_at_an_infinite_time_does_not_stop_the_monitor():
+    """1e308 + 1e308 is inf: int(inf) raised OverflowError and the app exited."""
+    m = MonitorState()
+    m.add(record(1, [("a", "decode", 1, 7)]))
+    m.add(msgspec.structs.replace(record(2, [("a", "decode", 1, 8)]), start_time=1e308, duration_s=1e308))
+    assert m.last.step == 2 and m.tokens_per_s() is not None
