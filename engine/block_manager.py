@@ -21,6 +21,7 @@ import asyncio
 
 import msgspec
 
+from engine.block_hash import salted_root
 from engine.block_pool import BlockPool
 
 
@@ -30,6 +31,7 @@ class Admit(msgspec.Struct, frozen=True, array_like=True):
     lookup: bool  # look the prefix up in the cache
     max_new_tokens: int
     min_new_tokens: int  # all-or-nothing policies ask for every token at once
+    cache_salt: str | None = None  # shares blocks only with requests of the same salt
 
 
 class KVStep(msgspec.Struct, tag=True):
@@ -129,7 +131,7 @@ class BlockManager:
                 admitted[a.request_id] = Admitted(0, 0)
                 continue
             cached, new = pool.admit(a.request_id, a.token_ids if a.lookup else None, len(a.token_ids),
-                                     a.max_new_tokens, a.min_new_tokens)
+                                     a.max_new_tokens, a.min_new_tokens, salted_root(a.cache_salt))
             admitted[a.request_id] = Admitted(cached, new)
             if new:
                 tables[a.request_id] = pool.tables[a.request_id]

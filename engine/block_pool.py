@@ -69,16 +69,19 @@ class BlockPool:
 
     # --- allocation -----------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None) -> Allocation | None:
+    def allocate(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                 root: bytes | None = None) -> Allocation | None:
         """Make `request_id` own enough blocks for `num_tokens` tokens. A request's first
         allocation looks up its prefix among `token_ids`. None (and no change) if the pool
         cannot supply the blocks."""
         hits: list[int] = []
         if request_id not in self.tables and token_ids is not None and self.enable_prefix_caching:
-            hits = self._lookup(token_ids)
-        return self._allocate(request_id, num_tokens, hits, len(token_ids or ()) if request_id not in self.tables else 0)
+            hits = self._lookup(token_ids, root)
+        return self._allocate(request_id, num_tokens, hits, len(token_ids or ()) if request_id not in self.tables else 0,
+                              root)
 
-    def _allocate(self, request_id: str, num_tokens: int, hits: list[int], queried: int) -> Allocation | None:
+    def _allocate(self, request_id: str, num_tokens: int, hits: list[int], queried: int,
+                  root: bytes | None = None) -> Allocation | None:
         table = self.tables.get(request_id, [])
         needed = self.blocks_for(num_tokens) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
@@ -97,7 +100,7 @@ class BlockPool:
         if request_id not in self.tables:
             self.tables[request_id] = table
             self.num_hashed[request_id] = len(hits)
-            self.last_hash[request_id] = self.block_hash[hits[-1]] if hits else None
+            self.last_hash[request_id] = self.block_hash[hits[-1]] if hits else root  # its chain starts there
             if self.enable_prefix_caching:
                 self.num_queried_tokens += queried  # only once granted: a refusal changes nothing
                 self.num_hit_tokens += len(hits) * self.block_size
@@ -135,27 +138,29 @@ class BlockPool:
         if num_tokens % self.block_size:
             self.cow[parent_id] = self.cow[child_id] = num_tokens // self.block_size
 
-    def admit(self, request_id: str, token_ids: list[int] | None, total: int, max_new: int, min_new: int) -> tuple[int, int]:
+    def admit(self, request_id: str, token_ids: list[int] | None, total: int, max_new: int, min_new: int,
+              root: bytes | None = None) -> tuple[int, int]:
         """Start a request that holds no blocks: look its prefix up among `token_ids` (None =
         no lookup), then take blocks for as many of its next tokens as fit, at most `max_new`
-        (and at least `min_new`, else nothing). `total` = tokens it has. Returns
-        (num_cached_tokens, num_new_tokens); (0, 0) = refused, nothing changed."""
+        (and at least `min_new`, else nothing). `total` = tokens it has; `root`: its blocks'
+        chain starts there (its cache_salt's). Returns (num_cached_tokens, num_new_tokens);
+        (0, 0) = refused, nothing changed."""
         assert request_id not in self.tables, f"{request_id} is already admitted"
-        hits = self._lookup(token_ids) if token_ids is not None and self.enable_prefix_caching else []
+        hits = self._lookup(token_ids, root) if token_ids is not None and self.enable_prefix_caching else []
         cached = len(hits) * self.block_size
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         room = self.num_free_blocks - revived  # fresh blocks we may take
         n = min(max_new, total - cached, (len(hits) + room) * self.block_size - cached)
         if n < max(min(min_new, total - cached), 1):  # all-or-nothing counts what is left after the hits
             return 0, 0
-        alloc = self._allocate(request_id, cached + n, hits, len(token_ids) if token_ids is not None else 0)
+        alloc = self._allocate(request_id, cached + n, hits, len(token_ids) if token_ids is not None else 0, root)
         assert alloc is not None
         return cached, n
 
-    def _lookup(self, token_ids: list[int]) -> list[int]:
+    def _lookup(self, token_ids: list[int], root: bytes | None = None) -> list[int]:
         # Never hit the block holding the last token: it must be computed to get logits.
         hits = []
-        for h in prefix_block_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size):
+        for h in prefix_block_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size, root):
             block = self.cached.get(h)
             if block is None:
                 break

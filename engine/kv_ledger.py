@@ -59,7 +59,8 @@ class KVLedger:
         self._grows[request_id] = (num_tokens, self._grows.get(request_id, (0, held))[1])
         return True
 
-    def admit(self, request_id: str, token_ids: list[int], lookup: bool, max_new: int, min_new: int) -> int:
+    def admit(self, request_id: str, token_ids: list[int], lookup: bool, max_new: int, min_new: int,
+              cache_salt: str | None = None) -> int:
         """Plan to start a request with up to `max_new` tokens (at least `min_new`), assuming no
         prefix hit. Returns the tokens planned, 0 = no room."""
         n = min(max_new, self.num_free_blocks * self.block_size)
@@ -67,7 +68,7 @@ class KVLedger:
             return 0
         self.num_free_blocks -= self.blocks_for(n)
         self.held[request_id] = self.blocks_for(n)
-        self._admits.append(Admit(request_id, token_ids, lookup, max_new, min_new))
+        self._admits.append(Admit(request_id, token_ids, lookup, max_new, min_new, cache_salt))
         return n
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:

@@ -41,6 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Logprobs of the raw model distribution (before temperature, penalties, bias):
     logprobs: int | None = None  # per generated token: its logprob and the top-k (0 = just its own)
     prompt_logprobs: int | None = None  # per prompt token (the first has none); disables prefix-cache hits
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
     @property
     def has_penalties(self) -> bool:
@@ -96,6 +97,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
+        if self.cache_salt is not None and not self.cache_salt:
+            raise RequestError("cache_salt must be a non-empty string (or absent)", "cache_salt")
         if not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
 

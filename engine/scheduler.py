@@ -202,7 +202,8 @@ class Scheduler:
         # a request scoring its prompt must compute every prompt position: no prefix-cache hits
         lookup = self.policy.uses_prefix_cache and req.params.prompt_logprobs is None
         n = self.ledger.admit(req.request_id, req.all_token_ids, lookup,
-                              min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens))
+                              min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens),
+                              req.params.cache_salt)
         if n:
             self.waiting.remove(req)
             req.status = Status.RUNNING

@@ -463,3 +463,18 @@ PoolMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_a_salted_prefix_is_shared_only_with_its_own_salt():
+    from engine.block_hash import salted_root
+
+    pool = BlockPool(16, 4, True)
+    prompt = list(range(10, 23))  # 3 full blocks and one token
+    for request_id, salt in [("a", "s1"), ("plain", None)]:
+        assert pool.admit(request_id, prompt, len(prompt), len(prompt), 1, salted_root(salt)) == (0, len(prompt))
+        pool.commit(request_id, prompt, len(prompt))
+        pool.free(request_id)
+    assert pool.admit("b", prompt, len(prompt), len(prompt), 1, salted_root("s2"))[0] == 0
+    assert pool.admit("c", prompt, len(prompt), len(prompt), 1, salted_root("s1"))[0] == 12
+    assert pool.admit("d", prompt, len(prompt), len(prompt), 1)[0] == 12  # the unsalted chain of "plain"
+    pool.check_invariants()

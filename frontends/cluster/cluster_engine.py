@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from engine import EngineConfig, RequestOutput, SamplingParams, StepRecord
 from engine.admission import check_prompt_ids
-from engine.block_hash import prefix_block_hashes
+from engine.block_hash import prefix_block_hashes, salted_root
 from engine.chat_prompt import prompt_ids
 from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, RequestAbortedError, RequestError
 from frontends.cluster.replica import ACCEPTED, Refusal
@@ -113,7 +113,7 @@ class ClusterEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         ids = await prompt_ids(self.tokenizer, prompt, messages)
         check_prompt_ids(ids, len(self.tokenizer))  # before hashing them (an id past 2^63 cannot be)
-        hashes = list(prefix_block_hashes(ids, self.config.cache.block_size))
+        hashes = list(prefix_block_hashes(ids, self.config.cache.block_size, root=salted_root(params.cache_salt)))
         full: dict[str, Exception] = {}  # replicas whose waiting queue refused it: the others may have room
         for _ in range(len(self.handles)):
             name = self.router.route(hashes, len(ids) / self.config.cache.block_size, frozenset(full))

@@ -29,7 +29,7 @@ Endpoint = Literal["completions", "chat"]
 _SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
              "presence_penalty", "frequency_penalty", "logit_bias",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
-             "include_stop_str_in_output"}
+             "include_stop_str_in_output", "cache_salt"}
 
 # Structured output (engine/structured/): OpenAI's response_format, vLLM's guided_json / structured_outputs.
 _STRUCTURED = {"response_format", "guided_json", "structured_outputs"}
@@ -77,7 +77,6 @@ _COMMON_REFUSED: dict[str, Refused] = {
     "logits_processors": Refused("logits_processors is not supported"),
     "return_tokens_as_token_ids": Refused("return_tokens_as_token_ids is not supported", (False,)),
     "return_token_ids": Refused("return_token_ids is not supported", (False,)),
-    "cache_salt": Refused("cache_salt is not supported"),
     "kv_transfer_params": Refused("kv_transfer_params is not supported"),
     "vllm_xargs": Refused("vllm_xargs is not supported"),
     "request_id": Refused("a client-chosen request_id is not supported"),

@@ -67,6 +67,7 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     min_tokens: int | None = None
     user: str | None = None  # an end-user id for the caller's own records; no effect here
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with the same salt
     n: int | None = None  # choices per prompt (None: 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -114,6 +115,7 @@ class SamplingFields(Struct, kw_only=True):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=1 if self.n is None else self.n,
+            cache_salt=self.cache_salt,
         )
 
     def structured_output(self) -> StructuredOutput | None:

@@ -186,3 +186,21 @@ def test_top_logprobs_keyed_alike_keep_the_likeliest_and_the_chosen_its_own():
     assert greedy.top_logprobs == [{"\ufffd": -0.9, "a": -1.2}] and greedy.token_logprobs == [-0.9]
     sampled = completion_logprobs([TokenLogprob(2, -1.7, top)], Texts(), 0)  # a less likely one, sampled
     assert sampled.top_logprobs[0]["\ufffd"] == sampled.token_logprobs[0] == -1.7
+
+
+async def test_cache_salt_keeps_prefix_cache_hits_between_requests_of_the_same_salt(tiny):
+    """vLLM's cache_salt: without it, a client guessing another's prompt saw cached_tokens rise."""
+    _, client = tiny
+    prompt = "a private prompt long enough to fill two KV blocks of sixteen tokens: 0451-7782"
+
+    async def cached(salt: str | None) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await cached("alice") == 0
+    assert await cached(None) == 0 and await cached("bob") == 0  # another salt, or none: nothing shared
+    assert await cached("alice") >= 32
+    resp = await client.post("/v1/completions", json={"prompt": "x", "cache_salt": ""})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_salt"
