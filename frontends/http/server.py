@@ -7,7 +7,9 @@ the socket closes, what is still running is aborted (streams end with an error e
 
 Requests too malformed to reach the app (broken HTTP framing, a header line over 8 KiB, too
 many headers) are answered by aiohttp's protocol itself; `_OpenAIErrorsHandler` makes those
-answers the OpenAI error shape too, so a client always gets {"error": {...}}.
+answers the OpenAI error shape too, so a client always gets {"error": {...}}. Such a request
+is logged in one line, not with aiohttp's traceback at ERROR: any client could otherwise write
+a dozen lines of log per request.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ class _OpenAIErrorsHandler(RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        else:  # the client's malformed request: one line
+            self.logger.warning("malformed HTTP request from %s: %s", request.remote,
+                                " ".join(str(message or exc or "").split())[:200])
+            if request.writer.output_size > 0:
+                raise ConnectionError("Response is sent already, cannot send another response with the error message")
         text = "internal server error" if status >= 500 else f"malformed HTTP request: {(message or '').strip()}"
         response = ApiError(status, text, code="internal_error" if status >= 500 else "bad_http_request").response()
         response.force_close()

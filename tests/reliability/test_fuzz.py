@@ -386,6 +386,20 @@ def test_header_abuse(server, path):
     still_serving(server)
 
 
+def test_a_malformed_request_is_logged_in_one_line(server, caplog):
+    """aiohttp logged each with a 12-line traceback at ERROR: any client could fill the log."""
+    import logging
+
+    _, head, body = next(c for c in raw_header_cases(COMPLETIONS) if c[0] == "content-length not a number")
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        status, headers, data = raw_http(server, head, body)
+    check_answer(COMPLETIONS, status, headers, data, body)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert status == 400 and len(records) == 1, records
+    assert records[0].levelno == logging.WARNING and records[0].exc_info is None
+    assert "malformed HTTP request" in records[0].getMessage() and "\n" not in records[0].getMessage()
+
+
 def test_unauthenticated_fuzz_never_reaches_the_engine(server):
     """Without the key every body — valid or not — is a 401; the engine sees none of them."""
     steps = server.engine.scheduler.step
