@@ -286,10 +286,11 @@ class Scheduler:
         self.ledger.apply(grant)
         for request_id in grant.refused:
             self._preempt(self.requests[request_id])
-        kept = []
+        kept, hits = [], []  # hits: admissions that start after prefix-cache hits
         for d in decisions:
             req = d.request
             got = grant.admitted.get(req.request_id)
+            hit = got is not None and got.num_cached_tokens > 0
             if got is not None:
                 if not got.num_new_tokens:  # no room after all: back to waiting, as it was
                     self.running.remove(req)
@@ -308,7 +309,9 @@ class Scheduler:
             if d.num_tokens and req.status is not Status.RUNNING:
                 continue  # preempted just now
             kept.append(d)
-        self.policy.granted(kept, self.view)  # e.g. chunked: a prefix hit costs more than planned
+            if hit:
+                hits.append(d)
+        self.policy.granted(kept, hits, self.view)  # e.g. chunked: a chunk after a hit costs more than planned
         return kept
 
     def _make_plan(self, decisions: list[Decision]) -> StepPlan:

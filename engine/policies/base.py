@@ -48,9 +48,10 @@ class Policy(Protocol):
         """The request left (aborted, failed or preempted): drop any reference to it."""
         ...
 
-    def granted(self, decisions: list[Decision], view: PlanView) -> None:
-        """The block manager answered: admissions now start after their prefix-cache hits. A
-        policy may lower a decision's tokens here (never to 0, never raise them)."""
+    def granted(self, decisions: list[Decision], hits: list[Decision], view: PlanView) -> None:
+        """The block manager answered: `hits` (of `decisions`, oldest first) are admissions that
+        start after prefix-cache hits. A policy may lower a decision's tokens here (never to 0,
+        never raise them)."""
         ...
 
     def end_step(self, view: PlanView) -> None:
@@ -74,7 +75,7 @@ class BasePolicy:
     def forget(self, request: Request) -> None:
         pass
 
-    def granted(self, decisions: list[Decision], view: PlanView) -> None:
+    def granted(self, decisions: list[Decision], hits: list[Decision], view: PlanView) -> None:
         pass
 
     def end_step(self, view: PlanView) -> None:

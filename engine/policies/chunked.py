@@ -22,13 +22,8 @@ a time budget, `granted` then cuts such a chunk back to what fits (at least `min
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine.policies.base import BasePolicy, Decision, Idle, admit_waiting, register
 from engine.step_cost import shape_of
-
-if TYPE_CHECKING:
-    from engine.request import Request
 
 
 @register
@@ -42,7 +37,6 @@ class ChunkedPolicy(BasePolicy):
         self.chunk_size = s.chunk_size
         self.max_step_s = s.max_step_ms / 1000
         self.min_chunk = s.min_chunk
-        self._admitted: list[Request] = []  # requests admitted in the step being planned, oldest first
 
     def schedule(self, view) -> list[Decision] | Idle:
         decisions: list[Decision] = []
@@ -65,7 +59,6 @@ class ChunkedPolicy(BasePolicy):
                 granted.append((1, req.num_computed_tokens, True))
         shape = shape_of(granted)  # what chained `plus` calls give, without a struct per decode
         timed = self.max_step_s > 0 and view.can_predict
-        self._admitted = []
         chunks = 0  # prefill pieces given this step
         full = False  # the time budget is used up: no later prompt gets a token (FCFS)
         whole_only = False  # an older chunked prompt finishes this step: younger ones join only whole
@@ -108,24 +101,18 @@ class ChunkedPolicy(BasePolicy):
                 if n:  # counted as if granted; the block manager may grant fewer, never more
                     shape = shape.plus(n, 0, decode=False)
                     chunks += 1
-                    self._admitted.append(req)
                 return n
 
             admit_waiting(view, decisions, self.max_num_seqs, budget=budget, size=admit_size)
         return decisions or Idle()
 
-    def granted(self, decisions: list[Decision], view) -> None:
+    def granted(self, decisions: list[Decision], hits: list[Decision], view) -> None:
         """Cut back the chunks of admitted prompts that start after cached tokens to what the
         time budget allows now, oldest first (FCFS: a younger one is sized after it)."""
-        admitted, self._admitted = self._admitted, []
-        if not (self.max_step_s > 0 and view.can_predict):
+        if not hits or not (self.max_step_s > 0 and view.can_predict):
             return
-        hits = {id(r) for r in admitted if r.num_computed_tokens}
-        if not hits:
-            return
-        ours = [d for d in decisions if id(d.request) in hits]
-        for i, d in enumerate(ours):
-            younger = {id(e) for e in ours[i + 1:]}
+        for i, d in enumerate(hits):
+            younger = {id(e) for e in hits[i + 1:]}
             rest = view.shape(e for e in decisions if e is not d and id(e) not in younger)
             ctx = d.request.num_computed_tokens
             fits = lambda n: view.predict(rest.plus(n, ctx, decode=False)) <= self.max_step_s  # noqa: E731
