@@ -140,7 +140,7 @@ class SamplingFields(Struct, kw_only=True):
                 param = f"structured_outputs.{key}"
                 if key in STRUCTURED_OUTPUTS_REFUSED:
                     raise ApiError(400, f"{param} is not supported (only json)", param=param, code="unsupported_field")
-                raise ApiError(400, f"unrecognized request field `{param}`", param=param, code="unrecognized_field")
+                raise _unrecognized(param)
             if "json" in self.structured_outputs:
                 asked.append(StructuredOutput.from_schema(self.structured_outputs["json"], "structured_outputs"))
         if len(asked) > 1:
@@ -267,6 +267,11 @@ def _param(message: str) -> str | None:
     return ".".join(parts) or None
 
 
+def _unrecognized(param: str | None) -> ApiError:
+    """A key inside a field's object that it does not have (a top-level one: fields.check_refused)."""
+    return ApiError(400, f"unrecognized request field `{param}`", param=param, code="unrecognized_field")
+
+
 def decode(body: bytes, kind: type[T]) -> T:
     """Typed decoding; malformed JSON or a wrongly typed field → ApiError 400 naming it."""
     try:
@@ -274,8 +279,7 @@ def decode(body: bytes, kind: type[T]) -> T:
     except msgspec.ValidationError as e:
         param = _param(str(e))
         if str(e).startswith("Object contains unknown field"):  # in stream_options, response_format, ...
-            raise ApiError(400, f"unrecognized request field `{param}`", param=param,
-                           code="unrecognized_field") from None
+            raise _unrecognized(param) from None
         raise ApiError(400, f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
