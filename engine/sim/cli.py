@@ -444,8 +444,7 @@ def _calibrate(args) -> Calibration:
     if not args.run:  # flags that shape the real run change nothing without one
         given = [flag for flag, v in (("--workload", args.workload), ("--num-requests", args.num_requests))
                  if v is not None]
-        given += [f"--set {key}" for key, _, _ in (item.partition("=") for item in args.set)
-                  if key not in RECORDED_KEYS]
+        given += [f"--set {key}" for key in overrides if key not in RECORDED_KEYS]
         if given:
             raise SystemExit(f"{given[0]}: only --run reads it (a run on the configured model); with --steps alone "
                              f"{', '.join(given)} would change nothing")
