@@ -1,8 +1,7 @@
 """The rules that refuse a request before it runs, shared by the engine's intake, the
 simulator's replicas (which refuse what intake would) and the cluster's ingress: token ids the
 model has, room in the waiting queue, and a prompt plus completion that fits the model's
-context and the whole KV pool. They import
-nothing heavy, so the simulator runs without torch."""
+context and the whole KV pool. They import nothing heavy, so the simulator runs without torch."""
 
 from __future__ import annotations
 

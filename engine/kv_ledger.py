@@ -1,18 +1,19 @@
 """The scheduler's ledger of KV capacity: what it plans a step against, and the step's changes.
 
 The block manager owns the blocks; the scheduler keeps this local estimate so a policy can
-plan a whole step without a round trip: free blocks as of the last grant, blocks each request
-holds, and the changes of the step being planned (commits, frees, growths, admissions), sent
-as one `KVStep`. The estimate is exact for growths; an admission is counted as its new tokens
-alone, while prefix hits are found by the pool: a hit on blocks in use costs nothing, but one
-revived from the evictable cache takes a free block, and the new tokens come after the hit —
-so a later admission of the same step may get fewer tokens than planned, or none. A free
-counts all of a request's blocks although shared prefix blocks stay taken, so a growth may
-still be refused. The grant says what each got, and the scheduler preempts the refused. A fork (n > 1) takes no block
-and is counted as holding its parent's; its first growth, and its parent's, is counted one
-block more for the copy-on-write of a shared partial block (safe: the last sharer copies
-nothing). The grant lists the block copies the pool decided; the scheduler hands them to the
-executor with the next plan (`take_copies`).
+plan a whole step without a round trip: free blocks as of the last grant, blocks each
+request holds, and the changes of the step being planned (commits, frees, growths,
+admissions), sent as one `KVStep`. The estimate is exact for growths; an admission is
+counted as its new tokens alone, while prefix hits are found by the pool: a hit on blocks in
+use costs nothing, but one revived from the evictable cache takes a free block, and the new
+tokens come after the hit — so a later admission of the same step may get fewer tokens than
+planned, or none. A free counts all of a request's blocks although shared prefix blocks stay
+taken, so a growth may still be refused. The grant says what each got, and the scheduler
+preempts the refused. A fork (n > 1) takes no block and is counted as holding its parent's;
+its first growth, and its parent's, is counted one block more for the copy-on-write of a
+shared partial block (safe: the last sharer copies nothing). The grant lists the block
+copies the pool decided; the scheduler hands them to the executor with the next plan
+(`take_copies`).
 """
 
 from __future__ import annotations

@@ -6,14 +6,16 @@ OpenAI routes, their SSE bytes, errors and the shutdown drain are the single-pro
 
 `submit` tokenizes the prompt (once), hashes its full KV blocks with the block manager's
 chain, asks the `Router` for a replica, and opens the replica's `generate` stream; the
-replica's first item says whether its engine accepted the request (a refusal raises the
-same engine error here). A replica that cannot be reached — the call fails, or the health
-task marks it down (dead, or hung) before it answers — is given up and the next one is
-tried, as is the next one when a replica's waiting queue is full (a prefix-routed prompt
-would otherwise be refused while another replica idles). `stream` relays the replica's outputs; if the replica dies or is marked down (a hung
-one: no answer to the health probe for 5 s) mid-stream, or cannot be told to abort within
-ABORT_TIMEOUT_S (shutdown must not wait for it), the stream ends with a final output
-`finish_reason="error"` (the frontend turns it into an SSE error event and [DONE]). A health task probes every replica and marks it up when it answers.
+replica's first item says whether its engine accepted the request (a refusal raises the same
+engine error here). A replica that cannot be reached — the call fails, or the health task
+marks it down (dead, or hung) before it answers — is given up and the next one is tried, as
+is the next one when a replica's waiting queue is full (a prefix-routed prompt would
+otherwise be refused while another replica idles). `stream` relays the replica's outputs; if
+the replica dies or is marked down (a hung one: no answer to the health probe for 5 s)
+mid-stream, or cannot be told to abort within ABORT_TIMEOUT_S (shutdown must not wait for
+it), the stream ends with a final output `finish_reason="error"` (the frontend turns it into
+an SSE error event and [DONE]). A health task probes every replica and marks it up when it
+answers.
 """
 
 from __future__ import annotations

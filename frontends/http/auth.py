@@ -19,7 +19,8 @@ from frontends.http.errors import ApiError
 
 def public_paths(protect_metrics: bool, protect_health: bool) -> frozenset[str]:
     """The routes a request reaches without the key."""
-    return frozenset({"/version"} | (set() if protect_metrics else {"/metrics"}) | (set() if protect_health else {"/health"}))
+    return frozenset({"/version"} | (set() if protect_metrics else {"/metrics"})
+                     | (set() if protect_health else {"/health"}))
 
 
 def api_key_middleware(api_key: str, *, protect_metrics: bool = False, protect_health: bool = False):
