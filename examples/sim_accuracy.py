@@ -159,15 +159,15 @@ def compare(args, workload: str, policy: str, d: Path) -> dict:
 
 def median(values: list) -> float | None:
     xs = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median_high(xs) if xs else None
+    return statistics.median(xs) if xs else None
 
 
 def step_error(cal: Calibration, records: list) -> float | None:
     """Median |calibrated - measured| / measured forward time over the real run's steps: how much
     of a figure's error is the cost model's, rather than the simulation's."""
-    errors = sorted(abs(cal.forward_s(record_shape(r)) - r.forward_s) / r.forward_s
-                    for r in records if not r.is_idle and r.error is None and r.forward_s > 0)
-    return errors[len(errors) // 2] if errors else None
+    errors = [abs(cal.forward_s(record_shape(r)) - r.forward_s) / r.forward_s
+              for r in records if not r.is_idle and r.error is None and r.forward_s > 0]
+    return statistics.median(errors) if errors else None
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import aiohttp
 from tqdm import tqdm
 
 from engine.bench import limit, llama_server, peers, report, workload
-from engine.bench.runner import RemoteError, run_in_process, run_remote
+from engine.bench.runner import RemoteError, run_in_process, run_remote, served_model
 from engine.cli_args import number, positive_int
 from engine.config import EngineConfig, config_path, parse_sweep, parse_value
 from engine.cpu import RESTRICT_ENV, cpu_info
@@ -193,7 +194,7 @@ async def _bench(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results, runs = {}, {}
     _check(args)
-    vocab_size = args.vocab_size or 20000
+    vocab_size = args.vocab_size or workload.VOCAB_SIZE
     peer_names = _peers(args)
     if args.save_steps and (args.url or peer_names):
         raise SystemExit("--save-steps records the engine's steps: in-process only, without --url or --peer")
@@ -235,36 +236,43 @@ async def _bench(args) -> dict:
         bar = tqdm(total=len(requests), desc=name, unit="req", file=sys.stderr)
         if args.url:
             try:
-                timings, duration = await run_remote(args.url, args.model, requests, args.api_key, lambda: bar.update())
+                model = args.model or await served_model(args.url, args.api_key)
+                timings, duration = await run_remote(args.url, model, requests, args.api_key, lambda: bar.update())
             except (RemoteError, aiohttp.ClientError, OSError) as e:
                 raise SystemExit(f"--url {args.url}: {e}") from None
-            steps, start = None, min(t.arrival for t in timings)
+            steps, ran = None, {"model": model}
         elif name == llama_server.NAME:
             threads = base.model.num_threads or _torch_threads()
-            with llama_server.llama_server(llama_server.resolve_binary(args.llama_server), loaded.gguf, threads,
-                                           requests, base.scheduler.max_num_seqs, out_dir / "llama-server.log") as url:
+            binary = llama_server.resolve_binary(args.llama_server)
+            with llama_server.llama_server(binary, loaded.gguf, threads, requests, base.scheduler.max_num_seqs,
+                                           out_dir / "llama-server.log") as url:
                 timings, duration = await run_remote(url, None, requests, "", lambda: bar.update())
-            steps, start = None, min(t.arrival for t in timings)
+            steps = None
+            ran = {"llama_server": {"binary": binary, **llama_server.settings(threads, requests, base.scheduler.max_num_seqs)}}
         elif overrides is None:
             run = await in_passing_thread(peers.run, name, loaded, requests, settings, lambda: bar.update())
-            timings, duration, steps, start = run.timings, run.duration, None, min(t.arrival for t in run.timings)
+            timings, duration, steps, ran = run.timings, run.duration, None, {"peer": dataclasses.asdict(settings)}
         else:
             config = base.with_overrides(**overrides)
             async with Engine(config, loaded=loaded) as engine:
                 timings, duration, steps = await run_in_process(engine, requests, lambda: bar.update())
-            start = min(t.arrival for t in timings)
+            ran = {"config": config.to_dict()}
+        start = min(t.arrival for t in timings)
         bar.close()
         failed = [t for t in timings if not t.ok]
         if failed:
             print(f"{name}: {len(failed)} of {len(timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
         results[name] = report.result(timings, duration, steps, args.slo_ttft_ms, args.slo_itl_ms)
+        results[name].update(ran, requests=report.request_records(timings, start))
         runs[name] = {"timings": timings, "steps": steps, "start": start}
         _save_run(args, name, len(targets), requests, timings, start, steps)
-    summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "results": results,
+    summary = {"workload": args.workload, "seed": args.seed, "num_requests": len(requests), "rate": args.rate or 0.0,
+               "vocab_size": vocab_size, "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+               "results": results,
                # the machine running engine-bench (in-process: the engine's and the peers' CPU)
-               "cpu": cpu_info().as_dict(), "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
+               "cpu": cpu_info().as_dict(), "versions": report.versions(),
+               "load_avg_1m": {"start": load_before, "end": os.getloadavg()[0]}}
     if not args.url:
-        summary["config"] = base.to_dict()
         summary.update(_ratios(results, peer_names))
         if args.compute_limit:
             summary["compute_limit"] = await _compute_limit(base, loaded, vocab_size, requests, results)

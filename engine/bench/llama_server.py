@@ -27,13 +27,18 @@ STOP_TIMEOUT_S = 10.0
 _CTX_MARGIN = 16  # tokens of slack per slot
 
 
-def server_args(binary: str, gguf: Path, port: int, threads: int, requests: list[BenchRequest], max_parallel: int) -> list[str]:
-    """The command line: one slot per request in flight (at most max_parallel), each slot
-    holding the workload's longest prompt + output."""
+def settings(threads: int, requests: list[BenchRequest], max_parallel: int) -> dict[str, int]:
+    """One slot per request in flight (at most max_parallel), each slot holding the workload's
+    longest prompt + output (results.json records these)."""
     slots = max(1, min(len(requests), max_parallel))
     per_slot = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + _CTX_MARGIN
+    return {"threads": threads, "parallel": slots, "ctx_size": slots * per_slot}
+
+
+def server_args(binary: str, gguf: Path, port: int, threads: int, requests: list[BenchRequest], max_parallel: int) -> list[str]:
+    s = settings(threads, requests, max_parallel)
     return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", str(slots), "-c", str(slots * per_slot), "--no-warmup"]
+            "-tb", str(threads), "-np", str(s["parallel"]), "-c", str(s["ctx_size"]), "--no-warmup"]
 
 
 def _free_port() -> int:

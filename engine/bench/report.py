@@ -34,10 +34,32 @@ def result(timings: list[RequestTiming], duration: float, steps: list[StepRecord
         out["preemptions"] = steps[-1].num_preemptions if steps else 0
         out["prefix_cache_hit_rate"] = cached / (cached + prefilled) if cached + prefilled else 0.0
         out["tokens_processed"] = total
-        errors = sorted(abs(s.predicted_s - s.forward_s) / s.forward_s for s in steps
-                        if s.predicted_s is not None and s.forward_s > 0)
+        errors = [abs(s.predicted_s - s.forward_s) / s.forward_s for s in steps
+                  if s.predicted_s is not None and s.forward_s > 0]
         if errors:  # the step-cost model: median |predicted - actual| / actual
-            out["step_time_error_p50"] = errors[len(errors) // 2]
+            out["step_time_error_p50"] = percentile(errors, 50)
+    return out
+
+
+def request_records(timings: list[RequestTiming], start: float) -> list[dict]:
+    """Each request's own timings (seconds; `sent_s` from the start of the run, the others
+    from the request's send), enough to recompute every figure of its result."""
+    return [{"tag": t.tag, "sent_s": t.arrival - start, "prompt_tokens": t.num_prompt_tokens,
+             "output_tokens": t.num_output_tokens, "token_times_s": [x - t.arrival for x in t.token_times],
+             "e2e_s": t.e2e, "error": t.error if not t.ok else None} for t in timings]
+
+
+def versions() -> dict[str, str | None]:
+    """The software a figure came from (None: not installed)."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("stepwise", "torch", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 

@@ -106,21 +106,30 @@ class RemoteError(Exception):
     """The server under test refused the run itself (not one request): a wrong key, a wrong URL."""
 
 
+def _auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def served_model(url: str, api_key: str = "") -> str:
+    """The first model the server at `url` lists on /v1/models (the one it serves)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers=_auth(api_key)) as session, session.get(f"{url}/v1/models") as resp:
+        if resp.status != 200:
+            raise RemoteError(f"GET {url}/v1/models: HTTP {resp.status}: {(await resp.text()).strip()[:300]}")
+        return (await resp.json())["data"][0]["id"]
+
+
 async def run_remote(
     url: str, model: str | None, requests: list[BenchRequest], api_key: str = "",
     on_done: Callable[[], None] = lambda: None,
 ) -> tuple[list[RequestTiming], float]:
     import aiohttp
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if model is None:
+        model = await served_model(url, api_key)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        if model is None:
-            async with session.get(f"{url}/v1/models") as resp:
-                if resp.status != 200:
-                    raise RemoteError(f"GET {url}/v1/models: HTTP {resp.status}: {(await resp.text()).strip()[:300]}")
-                model = (await resp.json())["data"][0]["id"]
-
+    async with aiohttp.ClientSession(headers=_auth(api_key), timeout=timeout) as session:
         async def one(r: BenchRequest, timing: RequestTiming) -> None:
             body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -147,6 +156,11 @@ async def run_remote(
                     raise RuntimeError("the stream ended without a finish_reason")
                 if usage_tokens is not None:  # exact, where chunks may hold several tokens
                     timing.num_output_tokens = usage_tokens
+                # every target must do the same work: max_tokens tokens, whatever they are
+                if finish_reason != "length" or timing.num_output_tokens > r.max_tokens or (
+                        usage_tokens is not None and usage_tokens < r.max_tokens):
+                    raise RuntimeError(f"finish_reason {finish_reason!r} after {timing.num_output_tokens} of "
+                                       f"{r.max_tokens} tokens: the server must honour ignore_eos and max_tokens")
 
         timings, duration = await _paced(requests, one, on_done)
     return timings, duration

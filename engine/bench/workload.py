@@ -134,6 +134,7 @@ def single(seed: int = 0, num_requests: int = 1, rate: float = 0.0, vocab: range
     return out
 
 
+VOCAB_SIZE = 20000  # prompt ids are drawn below min(this, the model's vocabulary size)
 WORKLOADS = {
     "mixed": mixed, "spike": spike, "spike-overlap": spike_overlap, "sharegpt-like": sharegpt_like,
     "shared-prefix": shared_prefix, "single": single,
@@ -141,7 +142,7 @@ WORKLOADS = {
 
 
 def make(
-    name: str, seed: int = 0, num_requests: int | None = None, rate: float = 0.0, vocab_size: int = 20000
+    name: str, seed: int = 0, num_requests: int | None = None, rate: float = 0.0, vocab_size: int = VOCAB_SIZE
 ) -> list[BenchRequest]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")

@@ -59,6 +59,9 @@ class Calibration(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str = ""  # the KV cache's element type ("" in calibrations from before it was recorded)
     cpu: dict = {}
     max_model_len: int | None = None  # the model's context (requests longer are refused, as intake does)
+    # the tokenizer's size (--run only): a generated workload draws prompt ids below it, as
+    # engine-bench does, so both draw the same requests; None: 20000, as for any real model
+    vocab_size: int | None = None
     source: str = ""
 
     def __post_init__(self):
@@ -143,9 +146,9 @@ def fit(records: list[StepRecord], split_rows: int | None = None, **meta) -> Cal
                       num_steps=len(steps), **meta)
     cal = msgspec.structs.replace(cal, sustained=_fit_sustained([cal.linear_s(s) for s in shapes], times))
     predicted = [cal.forward_s(s) for s in shapes]
-    errors = sorted(abs(p - t) / t for p, t in zip(predicted, times))
+    errors = [abs(p - t) / t for p, t in zip(predicted, times)]
     ratios = banded_quantiles(predicted, times)
-    return msgspec.structs.replace(cal, forward_r2=_r2(predicted, times), forward_error_p50=errors[len(errors) // 2],
+    return msgspec.structs.replace(cal, forward_r2=_r2(predicted, times), forward_error_p50=float(np.median(errors)),
                                    forward_ratios=ratios)
 
 

@@ -9,8 +9,8 @@ from engine.config import EngineConfig
 from engine.messages import StepRecord
 
 
-def calibration_run(config: EngineConfig, name: str, num_requests: int | None) -> tuple[list[StepRecord], int, str]:
-    """Returns the run's steps, the model's context length and its name."""
+def calibration_run(config: EngineConfig, name: str, num_requests: int | None) -> tuple[list[StepRecord], int, str, int]:
+    """Returns the run's steps, the model's context length, its name and its vocabulary size."""
     from engine.bench import workload
     from engine.bench.runner import run_in_process
     from engine.engine import Engine
@@ -19,6 +19,6 @@ def calibration_run(config: EngineConfig, name: str, num_requests: int | None) -
         async with Engine(config) as engine:
             requests = workload.make(name, 0, num_requests, 0.0, len(engine.tokenizer))
             _, _, steps = await run_in_process(engine, requests)
-            return steps, engine.max_model_len, config.model.model
+            return steps, engine.max_model_len, config.model.model, len(engine.tokenizer)
 
     return asyncio.run(run())

@@ -283,7 +283,7 @@ def _check_trace_flags(args) -> None:
                          "spike workloads, when the spike says), so the arrival process would change nothing")
 
 
-def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
+def _trace(args, vocab_size: int | None, rate: float | None = None) -> list[traces.TraceRequest]:
     """The run's trace; with `rate`, the same traffic at that rate (goodput probes)."""
     if args.trace:
         try:
@@ -302,7 +302,7 @@ def _trace(args, rate: float | None = None) -> list[traces.TraceRequest]:
     r = _base_rate(args) if rate is None else rate
     try:
         return traces.generate(name, args.seed, _num_requests(args, r), r, args.arrival or "poisson",
-                               1.0 if args.cv is None else args.cv)
+                               1.0 if args.cv is None else args.cv, vocab_size or workload.VOCAB_SIZE)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -353,7 +353,7 @@ def _run(args) -> dict:
         print(f"{args.calibration} has no max_model_len: no context limit is applied, so a request longer than "
               "the model's context runs instead of failing as intake would refuse it; `engine-sim calibrate "
               "--max-model-len N` to have one", file=sys.stderr)
-    trace = _trace(args)
+    trace = _trace(args, cal.vocab_size)
     out_dir = Path(args.out)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -367,12 +367,12 @@ def _run(args) -> dict:
         failed = [t for t in res.timings if not t.ok]
         if failed:
             print(f"{name}: {len(failed)} of {len(res.timings)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
-        results[name] = _figures(res, args, replicas, router)
+        results[name] = _figures(res, args, replicas, router) | {"config": config.to_dict()}
         runs[name] = {"timings": res.timings, "steps": res.steps or [], "start": 0.0}
         print(f"{name}: {res.duration_s:.1f} s simulated in {res.wall_s:.2f} s wall ({res.speedup:.1f}x)", file=sys.stderr)
         if args.goodput:
             def probe(rate, config=config, replicas=replicas, router=router):
-                r = simulate(_trace(args, rate), config, cal, replicas, router, step_noise=args.step_noise,
+                r = simulate(_trace(args, cal.vocab_size, rate), config, cal, replicas, router, step_noise=args.step_noise,
                              seed=args.seed)
                 return goodput.fraction_meeting(r.timings, _s(args.slo_ttft_ms), _s(args.slo_itl_ms))
 
@@ -386,7 +386,8 @@ def _run(args) -> dict:
     summary = {
         "trace": args.trace or {"workload": args.workload or "sharegpt-like", "seed": args.seed, "rate": _base_rate(args),
                                 "arrival": args.arrival or "poisson", "cv": 1.0 if args.cv is None else args.cv},
-        "num_requests": len(trace), "results": results, "goodput": found, "config": base.to_dict(),
+        "num_requests": len(trace), "seed": args.seed, "step_noise": args.step_noise, "results": results,
+        "goodput": found, "versions": report.versions(),
         "calibration": {"path": args.calibration, "model": cal.model, "dtype": cal.dtype,
                         "kv_cache_dtype": cal.kv_cache_dtype or None, "max_model_len": cal.max_model_len,
                         "cpu": cal.cpu,
@@ -455,7 +456,7 @@ def _calibrate(args) -> Calibration:
         raise SystemExit("--model: a steps file does not say which model ran it; name it with --model NAME "
                          "(or --set model=NAME), as engine-bench ran it")
     base = _base_config(args, overrides)
-    records, max_len = [], args.max_model_len
+    records, max_len, vocab_size = [], args.max_model_len, None
     for path in args.steps:
         try:
             records += load_steps(path)
@@ -464,7 +465,7 @@ def _calibrate(args) -> Calibration:
     if args.run:
         from engine.sim.calibration_run import calibration_run
 
-        run_records, run_max_len, run_model = calibration_run(base, args.workload or "mixed", args.num_requests)
+        run_records, run_max_len, run_model, vocab_size = calibration_run(base, args.workload or "mixed", args.num_requests)
         records += run_records
         max_len = max_len or run_max_len
         model = model or run_model
@@ -473,7 +474,7 @@ def _calibrate(args) -> Calibration:
                  else args.split_rows or None)
         dtype = args.dtype or base.model.dtype
         cal = fit(records, split_rows=split, model=model, dtype=dtype, kv_cache_dtype=base.cache.kv_dtype_for(dtype),
-                  cpu=cpu_info().as_dict(), max_model_len=max_len, source=", ".join(args.steps + (["--run " + (args.workload or "mixed")] if args.run else [])))
+                  cpu=cpu_info().as_dict(), max_model_len=max_len, vocab_size=vocab_size, source=", ".join(args.steps + (["--run " + (args.workload or "mixed")] if args.run else [])))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     try:

@@ -121,7 +121,7 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 def generate(name: str, seed: int = 0, num_requests: int | None = None, rate: float = 0.0,
-             arrival: str = "poisson", cv: float = 1.0) -> list[TraceRequest]:
+             arrival: str = "poisson", cv: float = 1.0, vocab_size: int = workload.VOCAB_SIZE) -> list[TraceRequest]:
     """A bench workload as a trace. Poisson arrivals at `rate` are the bench's own (the same
     requests `engine-bench --rate` sends); gamma arrivals have gaps of mean 1/rate and
     coefficient of variation `cv` (cv 1 is Poisson; above 1 burstier), drawn from `seed`."""
@@ -132,8 +132,8 @@ def generate(name: str, seed: int = 0, num_requests: int | None = None, rate: fl
     if rate > 0 and name in ("spike", "spike-overlap"):
         raise ValueError(f"workload {name!r} sets its own arrivals: --rate does not apply")
     if arrival == "poisson":
-        return from_bench(workload.make(name, seed, num_requests, rate))
-    trace = from_bench(workload.make(name, seed, num_requests, 0.0))
+        return from_bench(workload.make(name, seed, num_requests, rate, vocab_size))
+    trace = from_bench(workload.make(name, seed, num_requests, 0.0, vocab_size))
     if rate == 0:
         return trace
     rng = random.Random(f"gamma-{seed}")

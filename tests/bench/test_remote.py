@@ -17,6 +17,7 @@ import pytest
 from engine import Engine, EngineConfig
 from engine.bench import cli, workload
 from engine.bench.runner import run_remote
+from engine.bench.stats import percentile
 from frontends.http import HttpFrontend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +29,7 @@ SUMMARY_KEYS = {  # every result has these; the rest depend on mode and workload
     "e2e_ms_p50", "e2e_ms_p99", "goodput_rps",
 }
 TAGGED_KEYS = {"long_ttft_ms_p50", "long_ttft_ms_max"}  # mixed and spike have "long" requests
+RECORD_KEYS = {"config", "peer", "llama_server", "model", "requests"}  # what ran, not figures
 STEP_KEYS = {"num_steps", "padding_waste_pct", "preemptions", "prefix_cache_hit_rate", "tokens_processed",
              "step_time_error_p50"}  # in-process (the step-cost model is calibrated at start-up)
 
@@ -80,11 +82,27 @@ def check_schema(summary: dict, targets: list[str], extra: set[str], workload_na
     assert isinstance(summary["num_requests"], int) and isinstance(summary["plots"], list)
     assert list(summary["results"]) == targets
     for r in summary["results"].values():
-        assert set(r) == SUMMARY_KEYS | extra
-        assert all(v is None or isinstance(v, int | float) for v in r.values())
+        figures = {k: v for k, v in r.items() if k not in RECORD_KEYS}
+        assert set(figures) == SUMMARY_KEYS | extra
+        assert all(v is None or isinstance(v, int | float) for v in figures.values())
         assert r["num_requests"] == summary["num_requests"] and r["num_failed"] == 0
+        check_records(r)
         assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0
         assert r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["itl_ms_p50"] <= r["itl_ms_p99"] <= r["itl_ms_max"]
+
+
+def check_records(r: dict) -> None:
+    """The per-request records reproduce the result's figures."""
+    reqs = r["requests"]
+    assert len(reqs) == r["num_requests"] and all(q["error"] is None for q in reqs)
+    assert sum(q["output_tokens"] for q in reqs) == r["output_tokens"]
+    ttfts = [q["token_times_s"][0] for q in reqs]
+    gaps = [b - a for q in reqs for a, b in zip(q["token_times_s"], q["token_times_s"][1:])]
+    assert r["ttft_ms_p50"] == pytest.approx(percentile(ttfts, 50) * 1000)
+    assert r["itl_ms_p99"] == pytest.approx(percentile(gaps, 99) * 1000)
+    assert r["e2e_ms_p99"] == pytest.approx(percentile([q["e2e_s"] for q in reqs], 99) * 1000)
+    ends = [q["sent_s"] + q["e2e_s"] for q in reqs]
+    assert min(q["sent_s"] for q in reqs) == 0 and max(ends) <= r["duration_s"]
 
 
 def test_run_remote_against_our_server(server):
@@ -119,6 +137,9 @@ def test_cli_remote(server, tmp_path, capsys):
     check_schema(summary, [server.frontend.url], TAGGED_KEYS)
     assert summary["num_requests"] == 6 and summary["plots"] == [] and "config" not in summary
     r = summary["results"][server.frontend.url]
+    assert r["model"] == "tiny" and "config" not in r  # the server's name for its model, from /v1/models
+    assert summary["slo"] == {"ttft_ms": 60000, "itl_ms": None} and summary["vocab_size"] == VOCAB
+    assert summary["rate"] == 0 and summary["versions"]["torch"] and summary["versions"]["python"]
     assert r["goodput_rps"] == pytest.approx(r["requests_per_s"])  # a 60 s TTFT SLO: every request is good
     assert "| target |" in capsys.readouterr().out
 
@@ -137,7 +158,8 @@ def in_process(tmp_path, *args) -> dict:
 def test_cli_in_process_three_policies(tmp_path):
     summary = in_process(tmp_path, "--num-requests", "8", "--policies", "static,continuous,chunked")
     check_schema(summary, ["static", "continuous", "chunked"], TAGGED_KEYS | STEP_KEYS)
-    assert summary["config"]["model"]["model"] == "tiny-random"
+    assert all(r["config"]["model"]["model"] == "tiny-random" for r in summary["results"].values())
+    assert [r["config"]["scheduler"]["policy"] for r in summary["results"].values()] == ["static", "continuous", "chunked"]
     assert summary["continuous_over_static_throughput"] > 0
     assert "chunked_over_continuous" not in summary  # spike only
     assert sorted(Path(p).name for p in summary["plots"]) == ["itl_over_time.png", "step_composition.png", "ttft_cdf.png"]
@@ -212,9 +234,18 @@ def test_remote_counts_content_chunks():
 
 
 def test_remote_prefers_usage():
+    [t] = fake_server_run([text("ab"), text("cd", "length"), {"choices": [], "usage": {"completion_tokens": 8}}])
+    assert t.ok and len(t.token_times) == 2 and t.num_output_tokens == 8
+    assert t.tpot == pytest.approx((t.token_times[1] - t.token_times[0]) / 7)
+
+
+def test_remote_fails_a_request_that_stopped_short():
+    """Every request asks for max_tokens (8) with ignore_eos: a server that stops earlier did less
+    work than the other targets, and its request used to count as done."""
+    [t] = fake_server_run([text("ab"), text("cd", "stop")])
+    assert not t.ok and "finish_reason 'stop' after 2 of 8 tokens" in t.error and "ignore_eos" in t.error
     [t] = fake_server_run([text("ab"), text("cd", "length"), {"choices": [], "usage": {"completion_tokens": 7}}])
-    assert t.ok and len(t.token_times) == 2 and t.num_output_tokens == 7
-    assert t.tpot == pytest.approx((t.token_times[1] - t.token_times[0]) / 6)
+    assert not t.ok and "after 7 of 8 tokens" in t.error
 
 
 def test_remote_detects_broken_streams():

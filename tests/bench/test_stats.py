@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -138,6 +139,12 @@ def test_result_spike_and_step_figures():
     assert r["num_steps"] == 3 and r["tokens_processed"] == 140 and r["preemptions"] == 1
     assert r["padding_waste_pct"] == pytest.approx(100 * 35 / 140)
     assert r["prefix_cache_hit_rate"] == pytest.approx(20 / (20 + 100))
+
+
+def test_step_time_error_p50_is_the_median():
+    """It was the upper-middle element: 0.3 here, where the median of an even count is 0.2."""
+    steps = [msgspec.structs.replace(step(i), predicted_s=0.01 * (1 + e)) for i, e in enumerate((0.1, 0.3, 0.4, 0.1))]
+    assert report.result([GOOD], 1.0, steps, None, None)["step_time_error_p50"] == pytest.approx(0.2)
 
 
 def test_result_without_steps_or_tags():

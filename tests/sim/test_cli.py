@@ -136,17 +136,17 @@ def test_the_cluster_is_the_config_s_unless_flags_say_otherwise(tmp_path):
     summary = _run_summary(tmp_path, "--config", str(four))
     (result,) = summary["results"].values()
     assert (result["replicas"], result["router"], len(result["routed"])) == (4, "least-loaded", 4)
-    assert summary["config"]["cluster"]["replicas"] == 4 and summary["config"]["cluster"]["router"] == "least-loaded"
+    assert result["config"]["cluster"]["replicas"] == 4 and result["config"]["cluster"]["router"] == "least-loaded"
     summary = _run_summary(tmp_path, "--config", str(four), "--replicas", "2", "--router", "prefix-affinity")
     (result,) = summary["results"].values()
     assert (result["replicas"], result["router"], len(result["routed"])) == (2, "prefix-affinity", 2)
-    assert summary["config"]["cluster"]["replicas"] == 2 and summary["config"]["cluster"]["router"] == "prefix"
+    assert result["config"]["cluster"]["replicas"] == 2 and result["config"]["cluster"]["router"] == "prefix"
     one = tmp_path / "one.toml"
     one.write_text("[cluster]\nreplicas = 0\n")  # engine-serve's one engine in its own process: one replica
     summary = _run_summary(tmp_path, "--config", str(one), "--set", "balance_abs_threshold=4")
     (result,) = summary["results"].values()
     assert (result["replicas"], result["router"]) == (1, "prefix-affinity")  # the config's default router, "prefix"
-    assert summary["config"]["cluster"]["replicas"] == 1 and summary["config"]["cluster"]["balance_abs_threshold"] == 4
+    assert result["config"]["cluster"]["replicas"] == 1 and result["config"]["cluster"]["balance_abs_threshold"] == 4
 
 
 @pytest.mark.parametrize("args, why", [
@@ -231,6 +231,19 @@ def test_no_context_limit_is_said(tmp_path, capsys):
     assert "no context limit" not in capsys.readouterr().err
 
 
+def test_results_record_the_seed_step_noise_and_each_run_s_config(tmp_path):
+    """A trace run recorded neither --seed nor --step-noise (both shape its figures), and a sweep's
+    runs all showed the base config."""
+    CAL.save(tmp_path / "cal.json")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 40, "output_tokens": 5}\n')
+    cli.main(["run", "--calibration", str(tmp_path / "cal.json"), "--trace", str(trace), "--seed", "7",
+              "--no-step-noise", "--sweep", "max_num_seqs=2,4", "--no-plots", "--out", str(tmp_path / "sim")])
+    summary = json.loads((tmp_path / "sim" / "results.json").read_text())
+    assert (summary["seed"], summary["step_noise"]) == (7, False) and summary["versions"]["python"]
+    assert [r["config"]["scheduler"]["max_num_seqs"] for r in summary["results"].values()] == [2, 4]
+
+
 def test_results_config_is_the_calibration_s_model(tmp_path, capsys):
     """--config's [model] keys reached results.json (gemma3-270m, KV float16) while the step times
     simulated were the calibration's (here "fake", float32)."""
@@ -238,11 +251,13 @@ def test_results_config_is_the_calibration_s_model(tmp_path, capsys):
     other = tmp_path / "other.toml"
     other.write_text('[model]\nmodel = "gemma3-270m"\n\n[cache]\nkv_cache_dtype = "float16"\n')
     summary = _run_summary(tmp_path, "--config", str(other))
-    model, cache = summary["config"]["model"], summary["config"]["cache"]
+    (result,) = summary["results"].values()
+    model, cache = result["config"]["model"], result["config"]["cache"]
     assert (model["model"], model["dtype"], cache["kv_cache_dtype"]) == ("fake", "float32", "auto")
     assert (f"{other}: model = gemma3-270m, kv_cache_dtype = float16 not simulated: step times are the "
             "calibration's (fake, float32, KV ?)") in capsys.readouterr().err  # CAL predates the KV dtype: the model's
     same = tmp_path / "same.toml"
     same.write_text('[model]\nmodel = "fake"\n')
     summary = _run_summary(tmp_path, "--config", str(same))
-    assert summary["config"]["model"]["model"] == "fake" and "not simulated" not in capsys.readouterr().err
+    (result,) = summary["results"].values()
+    assert result["config"]["model"]["model"] == "fake" and "not simulated" not in capsys.readouterr().err

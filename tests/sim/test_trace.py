@@ -47,6 +47,9 @@ def test_generators_are_the_bench_s_workloads():
         assert [(len(b.prompt_token_ids), b.max_tokens, b.arrival_s, b.tag, b.after_tokens, b.after_gate_s)
                 for b in bench] == [(s.prompt_tokens, s.output_tokens, s.arrival_s, s.tag, s.after_tokens,
                                      s.after_gate_s) for s in sim]
+    # a vocabulary under 20,000 (tiny-random's 259) draws prompt ids, and so lengths, differently
+    bench, sim = workload.make("mixed", 0, 64, 0.0, 259), traces.generate("mixed", 0, 64, vocab_size=259)
+    assert [(len(b.prompt_token_ids), b.max_tokens) for b in bench] == [(s.prompt_tokens, s.output_tokens) for s in sim]
     shared = traces.generate("shared-prefix", 0, 50)
     assert {r.prefix_tokens for r in shared} == {1000} and len({r.prefix_group for r in shared}) == 8
 
