@@ -23,10 +23,11 @@ from engine.errors import RequestError
 LONG_PROMPT_CHARS = 2000  # text longer than this is encoded off the event loop (intake, the cluster's ingress)
 
 
-def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of a prompt's text: a completion's with the tokenizer's special tokens, a
-    rendered chat prompt's without (its template wrote them)."""
-    return tokenizer.encode(text, add_special_tokens=not chat)
+def encode(tokenizer, text: str, chat: bool, add_special_tokens: bool | None = None) -> list[int]:
+    """Token ids of a prompt's text: by default a completion's with the tokenizer's special
+    tokens, a rendered chat prompt's without (its template wrote them); `add_special_tokens`
+    (a request's own, as vLLM's) says otherwise."""
+    return tokenizer.encode(text, add_special_tokens=not chat if add_special_tokens is None else add_special_tokens)
 
 
 async def prompt_ids(tokenizer, prompt: str | list[int] | None, messages: list[dict] | None,

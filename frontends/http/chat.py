@@ -68,12 +68,13 @@ class ChatRenderer:
         return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage)
 
 
-async def prompt_ids(state: ServerState, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+async def prompt_ids(state: ServerState, messages: list[dict], tools: list[dict] | None = None,
+                     add_special_tokens: bool | None = None) -> list[int]:
     """The chat prompt's token ids, rendered and tokenized on a worker thread."""
     tokenizer = state.engine.tokenizer
 
     def tokenize() -> list[int]:
-        return encode(tokenizer, chat_prompt(tokenizer, messages, tools), chat=True)
+        return encode(tokenizer, chat_prompt(tokenizer, messages, tools), True, add_special_tokens)
 
     try:
         return await asyncio.to_thread(tokenize)
@@ -114,10 +115,11 @@ async def _complete(request: web.Request, state: ServerState, raw: bytes, body: 
     messages: list[dict] | None = [m.as_dict() for m in body.messages]
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt, max_tokens = None, body.explicit_max_tokens()
-    if max_tokens is None or tools.tools:
-        # tokenized once, here: it sizes max_tokens, or the template shows the model its tools
+    if max_tokens is None or tools.tools or body.add_special_tokens:
+        # tokenized once, here: it sizes max_tokens, the template shows the model its tools, or
+        # the tokenizer's special tokens are added to what the template wrote
         ensure_ready(state)
-        prompt, messages = await prompt_ids(state, messages, tools.tools), None
+        prompt, messages = await prompt_ids(state, messages, tools.tools, body.add_special_tokens), None
         max_tokens = default_max_tokens(state, len(prompt)) if max_tokens is None else max_tokens
     params = body.sampling_params(max_tokens, logprobs=logprobs)
     if tools.structured_output is not None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from aiohttp import web
 from msgspec import UNSET
 
 from engine import RequestOutput
-from engine.errors import RequestError
 from engine.admission import check_prompt_ids
+from engine.chat_prompt import encode
+from engine.errors import RequestError
 from frontends.http.errors import ApiError, from_engine
 from frontends.http.fields import check_refused
 from frontends.http.generate import Job, ensure_ready, generate
@@ -99,8 +101,19 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return CompletionRenderer(response_id, created, state.model_name, body.include_usage, tokens,
                                   echoes[choice // params.n], echo_only)
 
+    if body.add_special_tokens is False:  # the engine encodes text with them: encoded here, without
+        ensure_ready(state, params)
+        prompts = await _without_special_tokens(state.engine.tokenizer, prompts)
     jobs = [Job(p, None, params, body.stream, body.include_usage) for p in prompts]
     return await generate(request, state, jobs, make)
+
+
+async def _without_special_tokens(tokenizer, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Text prompts as token ids without the tokenizer's special tokens (on a worker thread)."""
+    def run() -> list[str | list[int]]:
+        return [encode(tokenizer, p, chat=False, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+
+    return await asyncio.to_thread(run)
 
 
 def _echo_text(tokenizer, ids: list[int]) -> str:

@@ -29,7 +29,7 @@ Endpoint = Literal["completions", "chat"]
 _SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
              "presence_penalty", "frequency_penalty", "logit_bias",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
-             "include_stop_str_in_output", "cache_salt"}
+             "include_stop_str_in_output", "cache_salt", "add_special_tokens"}
 
 # Structured output (engine/structured/): OpenAI's response_format, vLLM's guided_json / structured_outputs.
 _STRUCTURED = {"response_format", "guided_json", "structured_outputs"}
@@ -82,7 +82,6 @@ _COMMON_REFUSED: dict[str, Refused] = {
     "request_id": Refused("a client-chosen request_id is not supported"),
     "prompt_embeds": Refused("prompt_embeds is not supported"),
     "mm_processor_kwargs": Refused("mm_processor_kwargs is not supported"),
-    "add_special_tokens": Refused("only add_special_tokens=false is supported", (False,)),
     "service_tier": Refused("service_tier is not supported", ("auto", "default")),
     "metadata": Refused("metadata (stored completions) is not supported"),
     "store": Refused("stored completions are not supported", (False,)),

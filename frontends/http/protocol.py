@@ -169,6 +169,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     echo: bool | None = False
     logprobs: int | None = None
+    add_special_tokens: bool | None = None  # None: true (the tokenizer's BOS, as vLLM's completions)
 
     def resolved_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # the OpenAI default
@@ -237,6 +238,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    add_special_tokens: bool | None = None  # None: false (the chat template writes them, as vLLM's chat)
 
     def explicit_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

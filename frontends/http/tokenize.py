@@ -71,9 +71,7 @@ async def tokenize(request: web.Request) -> web.Response:
     def run() -> list[int]:
         chat = body.messages is not None
         text = chat_prompt(tokenizer, [m.as_dict() for m in body.messages], tools) if chat else body.prompt
-        if body.add_special_tokens is None:
-            return encode(tokenizer, text, chat)
-        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return encode(tokenizer, text, chat, body.add_special_tokens)
 
     try:
         ids = await asyncio.to_thread(run)

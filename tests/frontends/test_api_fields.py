@@ -204,3 +204,49 @@ async def test_cache_salt_keeps_prefix_cache_hits_between_requests_of_the_same_s
     assert await cached("alice") >= 32
     resp = await client.post("/v1/completions", json={"prompt": "x", "cache_salt": ""})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_salt"
+
+
+BOS = 0
+
+
+@pytest.fixture
+def bos_tokenizer(tiny, monkeypatch):
+    """The tiny model's tokenizer made to add a BOS, as Llama 3's and Gemma's do."""
+    engine, _ = tiny
+    tok, plain = engine.tokenizer, engine.tokenizer.encode
+
+    def encode(text, *args, add_special_tokens=True, **kw):
+        ids = plain(text, *args, add_special_tokens=False, **kw)
+        return [BOS, *ids] if add_special_tokens else ids
+
+    monkeypatch.setattr(tok, "encode", encode)
+    return tok
+
+
+async def test_add_special_tokens_on_completions(api, bos_tokenizer):
+    """It was refused unless false, and false was ignored: the BOS was added all the same."""
+    _, oai = api
+    n = len(bos_tokenizer.encode(PROMPT, add_special_tokens=False))
+    for value, expected in ((None, n + 1), (True, n + 1), (False, n)):
+        extra = {} if value is None else {"add_special_tokens": value}
+        for prompt in (PROMPT, [PROMPT, PROMPT]):
+            out = await oai.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
+            assert out.usage.prompt_tokens == expected * (1 if prompt == PROMPT else 2), (value, prompt)
+    out = await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                                       extra_body={"add_special_tokens": False})
+    assert out.choices[0].text == PROMPT and len(out.choices[0].logprobs.tokens) == n
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"add_special_tokens": 1})
+    assert e.value.body["param"] == "add_special_tokens"
+
+
+async def test_add_special_tokens_on_chat(api, bos_tokenizer):
+    """vLLM's chat default is false (the template writes them); true adds the tokenizer's own."""
+    _, oai = api
+    messages = [{"role": "user", "content": PROMPT}]
+    base = (await oai.chat.completions.create(model="tiny", messages=messages, max_tokens=1)).usage.prompt_tokens
+    for value, expected in ((False, base), (True, base + 1)):
+        for max_tokens in (1, None):  # the engine renders the prompt, or the frontend does to size max_tokens
+            out = await oai.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
+                                                    extra_body={"add_special_tokens": value})
+            assert out.usage.prompt_tokens == expected, (value, max_tokens)
