@@ -61,6 +61,7 @@ def create_app(
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/version", tokenize.version)
+    app.router.add_get("/v1/models/{model:.+}", models.retrieve_model)  # a name may hold "/"
     gets = {"/v1/models": models.list_models, "/v1/engine/state": observe.engine_state,
             "/v1/engine/steps": observe.engine_steps, "/health": observe.health, "/metrics": observe.metrics}
     unknown = set(views or ()) - set(gets)

@@ -83,9 +83,10 @@ _COMMON_REFUSED: dict[str, Refused] = {
     "prompt_embeds": Refused("prompt_embeds is not supported"),
     "mm_processor_kwargs": Refused("mm_processor_kwargs is not supported"),
     "service_tier": Refused("service_tier is not supported", ("auto", "default")),
-    "metadata": Refused("metadata (stored completions) is not supported"),
+    "metadata": Refused("metadata (stored completions) is not supported", ({},)),
     "store": Refused("stored completions are not supported", (False,)),
     "prompt_cache_key": Refused("prompt_cache_key is not supported"),
+    "prompt_cache_retention": Refused("prompt_cache_retention is not supported"),
     "safety_identifier": Refused("safety_identifier is not supported"),
 }
 

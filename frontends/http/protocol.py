@@ -32,6 +32,7 @@ from frontends.http.tool_protocol import Tool, ToolCall, ToolCallDelta, ToolChoi
 
 class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of each chunk: refused unless false (none is sent)
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +90,9 @@ class SamplingFields(Struct, kw_only=True):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ApiError(400, "stream obfuscation is not supported (only include_obfuscation=false)",
+                           param="stream_options.include_obfuscation", code="unsupported_field")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             structured_output = self.structured_output()

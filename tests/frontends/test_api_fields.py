@@ -250,3 +250,21 @@ async def test_add_special_tokens_on_chat(api, bos_tokenizer):
             out = await oai.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
                                                     extra_body={"add_special_tokens": value})
             assert out.usage.prompt_tokens == expected, (value, max_tokens)
+
+
+async def test_neutral_values_of_newer_sdk_fields(api):
+    """`stream_options.include_obfuscation: false` and `metadata: {}` ask for nothing and were
+    refused; obfuscation itself is refused by name."""
+    _, oai = api
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=2)
+    chunks = [c async for c in await oai.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True, "include_obfuscation": False})]
+    assert chunks[-1].usage.completion_tokens == 2
+    await oai.completions.create(**kw, extra_body={"metadata": {}})
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.completions.create(**kw, stream=True, stream_options={"include_obfuscation": True})
+    assert e.value.body["param"] == "stream_options.include_obfuscation" and e.value.body["code"] == "unsupported_field"
+    for field, value in (("metadata", {"k": "v"}), ("prompt_cache_retention", "24h")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await oai.completions.create(**kw, extra_body={field: value})
+        assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_field"

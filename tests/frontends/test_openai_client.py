@@ -82,7 +82,23 @@ async def test_models_and_errors(server):
     wrong = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         await wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.models.retrieve(MODEL)
     await wrong.close()
+
+
+async def test_models_retrieve(server):
+    """The SDK's models.retrieve was a bare 404 "Not Found": under either of its names (the
+    configured one may hold a "/") the served model's card, else model_not_found."""
+    engine, client = server
+    for name in (MODEL, engine.config.model.model):
+        card = await client.models.retrieve(name)
+        assert (card.id, card.object, card.owned_by) == (MODEL, "model", "stepwise")
+        assert card.max_model_len == engine.max_model_len
+    for name in ("gpt-4", "org/other-model"):
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.models.retrieve(name)
+        assert e.value.body["code"] == "model_not_found"
 
 
 async def test_n_choices(server):
