@@ -14,6 +14,7 @@ safetensors directory under the cache dir; later starts load that in a few secon
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -38,6 +39,7 @@ SUPPORTED_ARCHITECTURES = ARCHITECTURES
 # GGUF `general.architecture` values whose conversion gives one of ARCHITECTURES (llama.cpp writes
 # Mistral as "llama"; older files say "mistral")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+CHECKED = "header-checked"  # in a conversion directory: _check_header passed (conversions older lack it)
 
 
 class ModelLoadError(RuntimeError):
@@ -122,11 +124,14 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{key}"
     done = [d for d in (target, *sorted(cache_dir.glob(f"*-{key}"))) if (d / "done").exists()]
     if done:  # this file's conversion, under this name or another (a renamed copy)
+        if not (done[0] / CHECKED).exists():  # converted before its header was checked as below
+            arch, _, unsupported = _gguf_header(gguf)
+            _check_header(gguf, arch, unsupported)
+            with contextlib.suppress(OSError):  # a read-only cache: checked again next time
+                (done[0] / CHECKED).write_text("ok\n")
         return done[0]
-    arch, num_params = _gguf_header(gguf)
-    if arch is not None and arch not in GGUF_ARCHITECTURES:  # refused before a conversion it could not use
-        raise ModelLoadError(f"{gguf.name}: unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}")
+    arch, num_params, unsupported = _gguf_header(gguf)
+    _check_header(gguf, arch, unsupported)  # refused before a conversion it could not use
     if num_params is not None:
         _require_memory(gguf.name, num_params, torch.float32, "while transformers dequantizes the file")
     print(f"[stepwise] one-time conversion of {gguf.name} -> {target}", file=sys.stderr)
@@ -146,6 +151,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         reason = str(e).strip()
         raise ModelLoadError(f"{gguf.name}: could not be converted through transformers' GGUF loader: "
                              f"{reason.splitlines()[-1] if reason else type(e).__name__}") from e
+    (tmp / CHECKED).write_text("ok\n")
     (tmp / "done").write_text("ok\n")
     if not (target / "done").exists():
         shutil.rmtree(target, ignore_errors=True)  # a conversion that did not finish
@@ -264,18 +270,52 @@ def _require_matching_weights(path: Path, arch: str, info: dict) -> None:
             raise ModelLoadError(f"{path}: the checkpoint {problem}: {shown}")
 
 
-def _gguf_header(path: Path) -> tuple[str | None, int | None]:
-    """A GGUF file's architecture and parameter count; None where gguf cannot read them
-    (transformers then says why)."""
+def _gguf_header(path: Path) -> tuple[str | None, int | None, list[str]]:
+    """A GGUF file's architecture, parameter count and what in it transformers' GGUF loader
+    would drop (see _dropped); None, None, [] where gguf cannot read it (transformers then says why)."""
     from gguf import GGUFReader  # reads the header and maps the tensors: ~1-2 s, once per conversion
 
     try:
         reader = GGUFReader(str(path))
     except Exception:  # noqa: BLE001 - a truncated or foreign file: ValueError, OSError, IndexError, ...
-        return None, None
-    field = reader.get_field("general.architecture")
-    arch = field.contents() if field is not None else None
-    return arch, sum(int(t.n_elements) for t in reader.tensors)
+        return None, None, []
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    arch = fields.get("general.architecture")
+    return arch, sum(int(t.n_elements) for t in reader.tensors), _dropped(arch, fields, [t.name for t in reader.tensors])
+
+
+# Gemma 2's soft-caps as transformers' config has them by default (its GGUF loader reads neither)
+GEMMA2_SOFTCAPS = {"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
+GEMMA2_QUERY_SCALAR = 256  # transformers' default query_pre_attn_scalar
+
+
+def _dropped(arch: str | None, fields: dict, tensors: list[str]) -> list[str]:
+    """What a GGUF says that transformers' GGUF loader does not carry into the model: RoPE
+    scaling (its keys, Llama 3.x's `rope_freqs` and Phi-3's `rope_factors_*` tensors, which
+    llama.cpp applies), Gemma 2 soft-caps other than the config's defaults, and Gemma 2 27B's
+    attention scale (llama.cpp's 1/sqrt(hidden / heads); transformers would take 1/sqrt(256)).
+    Served anyway, the model would run plain RoPE or other scales than the file's."""
+    out = [f"{key} = {fields[key]!r}" for key in (f"{arch}.rope.scaling.type",)
+           if fields.get(key, "none") not in ("none", "")]
+    out += sorted({name for name in tensors if name.startswith(("rope_freqs", "rope_factors"))})
+    if arch == "gemma2":
+        out += [f"{key} = {fields[key]}" for key, default in GEMMA2_SOFTCAPS.items()
+                if key in fields and abs(float(fields[key]) - default) > 1e-6]
+        head_dim = fields.get("gemma2.attention.key_length")
+        if head_dim is not None and head_dim != GEMMA2_QUERY_SCALAR:
+            out.append(f"gemma2.attention.key_length = {head_dim}: the attention scale (query_pre_attn_scalar) is "
+                       f"not in the file; transformers takes {GEMMA2_QUERY_SCALAR}, the head size of Gemma 2 2B and "
+                       "9B, where 27B's is hidden / heads (llama.cpp's)")
+    return out
+
+
+def _check_header(gguf: Path, arch: str | None, unsupported: list[str]) -> None:
+    if arch is not None and arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{gguf.name}: unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
+    if unsupported:
+        raise ModelLoadError(f"{gguf.name}: transformers' GGUF loader would drop what the file says, so the model "
+                             f"would not run as llama.cpp runs it: {'; '.join(unsupported)}")
 
 
 def _safetensors_params(path: Path) -> int | None:

@@ -15,7 +15,8 @@ one, derived from the config, so the forward (engine/model/llama.py) stays one c
 
 Anything else a config asks for that the forward does not implement is refused with a
 `ValueError` naming the field: dynamic or long-context RoPE (`dynamic`, `longrope`), unknown
-layer types, bidirectional attention, activations other than SiLU / tanh-GELU, a
+layer types, bidirectional attention (`use_bidirectional_attention`, `is_causal: false`), a
+config nested under `text_config` or with a `per_layer_config`, activations other than SiLU / tanh-GELU, a
 `sliding_window` on Llama or an `attention_chunk_size` on any family (transformers' `generate`
 slides its cache by them, though its forward does not) shorter than the context.
 """
@@ -76,6 +77,13 @@ class ModelSpec:
 def spec_from_config(config, architecture: str) -> ModelSpec:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    # read from vars: a per-layer config (transformers keeps it as _heterogeneity_spec) raises on
+    # any attribute that may vary per layer
+    for key, attr, what in (("text_config", "text_config", "a multimodal model's config (the language model's keys "
+                                                             "nested under it)"),
+                            ("per_layer_config", "_heterogeneity_spec", "settings that differ per layer")):
+        if vars(config).get(attr) is not None:
+            raise ValueError(f"unsupported: {key}, {what}; only one decoder's flat config is served")
     gemma = architecture in GEMMA
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = ModelShape(
@@ -90,6 +98,8 @@ def spec_from_config(config, architecture: str) -> ModelSpec:
     )
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("unsupported: use_bidirectional_attention=True (only causal decoders)")
+    if getattr(config, "is_causal", True) is False:  # transformers' masks turn bidirectional for any family
+        raise ValueError("unsupported: is_causal=False (only causal decoders)")
     act_name = config.hidden_activation if gemma else config.hidden_act
     if act_name not in ACTIVATIONS:
         raise ValueError(f"unsupported {'hidden_activation' if gemma else 'hidden_act'} {act_name!r}; "

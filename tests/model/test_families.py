@@ -212,3 +212,29 @@ def test_unimplemented_features_are_refused(tmp_path, config, message):
     config.save_pretrained(tmp_path)  # config.json only: refused before any weight is looked for
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(tmp_path), tmp_path / "cache")
+
+
+@pytest.mark.parametrize("extra,message", [
+    # transformers' masks turn bidirectional under it, for every family: logits differed by ~1.5 (session 25 audit)
+    ({"is_causal": False}, "is_causal=False"),
+    # transformers raises its own RuntimeError on any global attribute: it escaped as a traceback
+    ({"per_layer_config": {"1": {"rms_norm_eps": 0.5}}}, "per_layer_config"),
+], ids=["is-causal-false", "per-layer-config"])
+def test_config_keys_that_change_every_family_are_refused(tmp_path, extra, message):
+    LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(tmp_path), tmp_path / "cache")
+
+
+def test_a_multimodal_gemma3_config_under_the_causal_lm_is_refused(tmp_path):
+    """Gemma3ForCausalLM named over a config nested under text_config ended in AttributeError
+    'Gemma3Config' object has no attribute 'hidden_size'."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(text_config=Gemma3TextConfig(**COMMON).to_dict())
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="text_config"):
+        load_model(str(tmp_path), tmp_path / "cache")

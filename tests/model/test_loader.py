@@ -256,3 +256,71 @@ def test_a_failed_conversion_is_a_load_error_and_leaves_nothing_behind(tmp_path,
     with pytest.raises(ModelLoadError, match="notok.gguf: could not be converted through transformers' GGUF loader"):
         load_model(str(tmp_path / "notok.gguf"), tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("notok-*"))  # no half-written .tmp directory
+
+
+def _header_only_gguf(path: Path, arch: str, keys: dict, tensors: tuple[str, ...] = ()) -> Path:
+    """A GGUF with `keys` and small `tensors`: enough for the header check, which runs before
+    transformers reads the file."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        writer.add_key_value(key, *value)
+    for name in ("token_embd.weight", *tensors):
+        writer.add_tensor(name, np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_cases():
+    from gguf import GGUFValueType as T
+
+    return {  # transformers' GGUF loader drops each of these (session 25 audit): plain RoPE, default caps
+        "llama-linear": ("llama", {"llama.rope.scaling.type": ("linear", T.STRING),
+                                   "llama.rope.scaling.factor": (4.0, T.FLOAT32)}, (), "llama.rope.scaling.type = 'linear'"),
+        "llama3-rope-freqs": ("llama", {}, ("rope_freqs.weight",), "rope_freqs.weight"),
+        "qwen2-yarn": ("qwen2", {"qwen2.rope.scaling.type": ("yarn", T.STRING)}, (), "qwen2.rope.scaling.type = 'yarn'"),
+        "phi3-longrope": ("phi3", {}, ("rope_factors_long.weight", "rope_factors_short.weight"),
+                          "rope_factors_long.weight; rope_factors_short.weight"),
+        "gemma2-softcap": ("gemma2", {"gemma2.final_logit_softcapping": (20.0, T.FLOAT32)}, (),
+                           "gemma2.final_logit_softcapping = 20.0"),
+        "gemma2-27b-scale": ("gemma2", {"gemma2.attention.key_length": (128, T.UINT32)}, (),
+                             "gemma2.attention.key_length = 128"),
+    }
+
+
+@pytest.mark.parametrize("case", ["llama-linear", "llama3-rope-freqs", "qwen2-yarn", "phi3-longrope", "gemma2-softcap",
+                                  "gemma2-27b-scale"])
+def test_a_gguf_saying_what_transformers_drops_is_refused(tmp_path, case):
+    """transformers' GGUF loader read none of these, so the file loaded and ran plain RoPE
+    (a 120-token prompt's argmax changed) or other scales than llama.cpp runs it with."""
+    arch, keys, tensors, named = _gguf_cases()[case]
+    gguf = _header_only_gguf(tmp_path / f"{case}.gguf", arch, keys, tensors)
+    with pytest.raises(ModelLoadError, match="GGUF loader would drop") as e:
+        convert_gguf(gguf, tmp_path / "cache")
+    assert named in str(e.value)
+    assert not list((tmp_path / "cache").glob(f"{case}-*"))  # refused before converting
+
+
+def test_a_conversion_cached_before_the_header_check_is_checked_once(tmp_path):
+    from gguf import GGUFValueType as T
+
+    from engine.model.loader import CHECKED, _content_key
+
+    cache = tmp_path / "cache"
+    for name, keys, refused in (("scaled", {"llama.rope.scaling.type": ("linear", T.STRING)}, True),
+                                ("plain", {"llama.rope.scaling.type": ("none", T.STRING)}, False)):
+        gguf = _header_only_gguf(tmp_path / f"{name}.gguf", "llama", keys)
+        old = cache / f"{name}-{_content_key(gguf, cache)}"
+        old.mkdir(parents=True)
+        (old / "done").write_text("ok\n")  # an older session's conversion: no CHECKED marker
+        if refused:
+            with pytest.raises(ModelLoadError, match="rope.scaling.type"):
+                convert_gguf(gguf, cache)
+            assert not (old / CHECKED).exists()
+        else:
+            assert convert_gguf(gguf, cache) == old and (old / CHECKED).exists()
