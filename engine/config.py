@@ -176,12 +176,25 @@ class ClusterConfig:
         _require(self.max_prefix_entries >= 1, "max_prefix_entries", "must be >= 1")
         _require(0.0 <= self.prefix_min_share <= 1.0, "prefix_min_share", "must be in [0, 1]")
         _require(self.health_check_ms >= 10, "health_check_ms", "must be >= 10")
+        _require(not (self.ray_address and self.ray_num_cpus), "ray_num_cpus",
+                 "sizes a local Ray only; with ray_address the cluster's own CPUs are used: remove it")
         if self.replicas == 0:  # one engine in this process: a cluster setting would be silently unused
             for f in fields(self):
                 if f.name != "replicas" and getattr(self, f.name) != f.default:
                     _require(False, f.name, "has no effect with replicas = 0 (one engine in this process); "
                              "set [cluster] replicas >= 1 (or --replicas N) or remove it")
 
+
+    def unread_router_keys(self) -> list[str]:
+        """Prefix-router keys set (away from their defaults) under another router, which never
+        reads them. Not refused by validate: engine-sim may sweep the router with them set."""
+        if self.router == "prefix":
+            return []
+        return [f.name for f in fields(self) if f.name in PREFIX_ROUTER_KEYS and getattr(self, f.name) != f.default]
+
+
+# Cluster keys only the prefix-affinity router reads.
+PREFIX_ROUTER_KEYS = ("balance_abs_threshold", "balance_rel_threshold", "max_prefix_entries", "prefix_min_share")
 
 SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig,
             "cluster": ClusterConfig}

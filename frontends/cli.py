@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if config.cluster.replicas and importlib.util.find_spec("ray") is None:
         parser.error("--replicas needs Ray Serve: install the extra with pip install -e '.[ray]'")
+    if unread := config.cluster.unread_router_keys():
+        parser.error(f"[cluster] {', '.join(unread)}: only the prefix router reads them, and router is "
+                     f"{config.cluster.router!r} (set router = \"prefix\", or remove them)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(config, args.access_log))
 

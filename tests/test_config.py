@@ -206,3 +206,18 @@ def test_a_config_built_in_code_is_checked_as_a_loaded_one(build, message):
 
 def test_a_config_built_in_code_takes_an_int_for_a_float():
     assert EngineConfig(scheduler=SchedulerConfig(priority_aging_s=3)).scheduler.priority_aging_s == 3
+
+
+def test_ray_num_cpus_with_a_ray_address_is_refused(tmp_path):
+    """It sizes a local Ray only: with ray_address it was accepted and never read."""
+    with pytest.raises(ValueError, match="ray_num_cpus"):
+        EngineConfig.load(None, replicas=2, ray_address="auto", ray_num_cpus=8)
+    assert EngineConfig.load(None, replicas=2, ray_num_cpus=8).cluster.ray_num_cpus == 8
+
+
+@pytest.mark.parametrize("key,value", [("prefix_min_share", 0.3), ("balance_abs_threshold", 2),
+                                       ("balance_rel_threshold", 2.0), ("max_prefix_entries", 10)])
+def test_prefix_router_keys_under_another_router_are_unread(key, value):
+    for router in ("round-robin", "least-loaded"):
+        assert EngineConfig.load(None, replicas=2, router=router, **{key: value}).cluster.unread_router_keys() == [key]
+    assert not EngineConfig.load(None, replicas=2, **{key: value}).cluster.unread_router_keys()  # router "prefix"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from engine.bench import report, workload
 from engine.cli_args import number, positive_int
-from engine.config import (DTYPES, ClusterConfig, EngineConfig, ModelConfig, ServerConfig, config_path,
-                           parse_sweep, parse_value)
+from engine.config import (DTYPES, PREFIX_ROUTER_KEYS, ClusterConfig, EngineConfig, ModelConfig, ServerConfig,
+                           config_path, parse_sweep, parse_value)
 from engine.sim import goodput, trace as traces
 from engine.sim.calibration import Calibration, fit, load_steps
 from engine.sim.simulator import ROUTERS, SimResult, simulate
@@ -39,8 +39,6 @@ CALIBRATED_KEYS = (*(f.name for f in dataclasses.fields(ModelConfig)), "kv_cache
 # Keys of what a simulation does not run: the HTTP server, and Ray's processes and probes (refused).
 UNSIMULATED_KEYS = (*(f.name for f in dataclasses.fields(ServerConfig)), "ray_address", "ray_num_cpus", "replica_cpus",
                     "replica_gpus", "health_check_ms")
-# Cluster keys only the prefix-affinity router reads (refused when no run routes by prefix).
-PREFIX_ROUTER_KEYS = ("balance_abs_threshold", "balance_rel_threshold", "max_prefix_entries", "prefix_min_share")
 CLUSTER_KEYS = tuple(f.name for f in dataclasses.fields(ClusterConfig))
 SIM_ROUTER = {v: k for k, v in ROUTERS.items()}  # [cluster] router's name -> --router's
 MAX_PLOTTED_REQUESTS = 2000  # the per-request ITL plot draws a line per request

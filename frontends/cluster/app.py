@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
 
-from frontends.cluster.cluster_engine import ClusterEngine, unless
+from frontends.cluster.cluster_engine import ClusterEngine
 from frontends.cluster.merged_metrics import merge_metrics
+from frontends.cluster.step_relay import StepRelay
 from frontends.http import sse
 from frontends.http.app import create_app
 from frontends.http.errors import ApiError
@@ -26,13 +26,13 @@ from frontends.http.state import STATE
 
 REPLICA_HEADER = "x-stepwise-replica"
 SCRAPE_TIMEOUT_S = 5.0
-STEP_STREAMS = web.AppKey("step_streams", dict)  # remote step generator -> its `ended` future, set at shutdown
+STEP_RELAY = web.AppKey("step_relay", StepRelay)
 
 
 def create_cluster_app(cluster: ClusterEngine, **kwargs) -> web.Application:
     app = create_app(cluster, views={"/metrics": metrics, "/v1/engine/steps": engine_steps,
                                      "/v1/engine/state": engine_state}, **kwargs)
-    app[STEP_STREAMS] = {}
+    app[STEP_RELAY] = StepRelay(cluster)
     app.on_response_prepare.append(_name_replica)
     app.on_shutdown.insert(0, _end_step_streams)
     return app
@@ -97,34 +97,9 @@ async def engine_steps(request: web.Request) -> web.StreamResponse:
     state, name, cluster = request.app[STATE], _replica(request), _cluster(request)
     if name not in cluster.router.healthy:  # dead or hung: its stream would end at once, or never start
         raise ApiError(503, f"replica {name} is down (its health probe fails)", code="replica_unavailable")
-    records = cluster.handles[name].options(stream=True).steps.remote()
-    streams, ended = request.app[STEP_STREAMS], asyncio.get_running_loop().create_future()
-    streams[records] = ended
-    with state.live.track():
-        try:
-            return await sse.relay(request, _until_gone(records, ended, cluster.went_down(name)),
-                                   {REPLICA_HEADER: name})
-        finally:
-            del streams[records]
-            records.cancel()
-
-
-async def _until_gone(records, ended: asyncio.Future, down: asyncio.Future) -> AsyncIterator[object]:
-    """The replica's step records, ending quietly when it goes away: it ends the stream, fails,
-    is marked down (a hung one's stream would wait for ever, and hold the shutdown), or
-    shutdown ends the stream (`ended`)."""
-    try:
-        while True:
-            record = await unless(records.__anext__(), ended, down)
-            if ended.done():
-                return
-            yield record
-    except Exception:  # StopAsyncIteration, the replica's error, or ReplicaGone
-        return
+    with state.live.track(), request.app[STEP_RELAY].subscribe(name) as records:
+        return await sse.relay(request, records, {REPLICA_HEADER: name})
 
 
 async def _end_step_streams(app: web.Application) -> None:
-    for records, ended in list(app[STEP_STREAMS].items()):
-        records.cancel()
-        if not ended.done():
-            ended.set_result(None)
+    app[STEP_RELAY].close()

@@ -55,6 +55,9 @@ class Replicas:
             _check_reachable(cluster.ray_address)  # ray.init retries an address where nothing answers for ever
             try:
                 ray.init(address=cluster.ray_address)
+            except ValueError as e:  # not an address Ray reads ("foo")
+                raise ConnectionError(f"[cluster] ray_address {cluster.ray_address!r}: {e}; give \"auto\", "
+                                      "host:port or ray://host:port") from None
             except ConnectionError as e:
                 raise ConnectionError(
                     f"could not join the Ray cluster at {cluster.ray_address!r}: {e}. A cluster started with "

@@ -48,6 +48,17 @@ def test_bad_flag_values_exit_2(capsys):
     assert e.value.code == 2
 
 
+def test_prefix_router_keys_under_another_router_exit_2(capsys):
+    """Never read by round-robin or least-loaded: engine-serve accepted them in silence."""
+    from frontends.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny-random", "--replicas", "2", "--router", "least-loaded", "--prefix-min-share", "0.3"])
+    assert e.value.code == 2
+    assert "[cluster] prefix_min_share: only the prefix router reads them, and router is 'least-loaded'" in \
+        capsys.readouterr().err
+
+
 async def test_serve_stream_and_sigint():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "frontends.cli", "--model", "tiny-random", "--port", "0", "--served-model-name", "tiny",

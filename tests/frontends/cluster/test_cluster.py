@@ -21,7 +21,7 @@ import openai  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 from engine.model.tiny import tiny_tokenizer  # noqa: E402
-from frontends.cluster.app import REPLICA_HEADER, create_cluster_app  # noqa: E402
+from frontends.cluster.app import REPLICA_HEADER, STEP_RELAY, create_cluster_app  # noqa: E402
 from frontends.cluster.cluster_engine import ClusterEngine  # noqa: E402
 from frontends.cluster.launch import Replicas  # noqa: E402
 from monitor.http_source import HttpSource  # noqa: E402
@@ -171,6 +171,8 @@ async def test_api_key_is_enforced_on_the_ingress(replicas):
 async def test_metrics_state_and_steps_per_replica(replicas):
     async with ingress(replicas) as (_, client):
         steps = {name: await client.get(f"/v1/engine/steps?replica={name}") for name in NAMES}
+        twice = await client.get(f"/v1/engine/steps?replica={NAMES[0]}")
+        assert client.app[STEP_RELAY].streams() == len(NAMES)  # watchers of a replica share one Ray stream
         served = set()
         for i in range(4):  # distinct prompts reach both replicas
             resp = await client.post("/v1/completions", json={"prompt": f"prompt {i} " * 3, "max_tokens": 2})
@@ -181,6 +183,8 @@ async def test_metrics_state_and_steps_per_replica(replicas):
             record = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 60)
             assert record.startswith(b"data: {") and b'"policy":"chunked"' in record
             resp.close()
+        assert (await asyncio.wait_for(twice.content.readuntil(b"\n\n"), 60)).startswith(b"data: {")
+        twice.close()
         text = await (await client.get("/metrics")).text()
         for name in NAMES:
             assert metric(text, "vllm:generation_tokens_total", replica=name) >= 2

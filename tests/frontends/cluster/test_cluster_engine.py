@@ -84,29 +84,113 @@ async def test_every_replica_down_is_not_called_loading():
     assert "no engine replica is up" in message
 
 
-class HungRecords:
-    """A hung replica's steps stream: no record ever comes, and cancel() does not wake it."""
+class Records:
+    """A replica's steps stream: the records put on `queue`; a hung one never has any, and
+    cancel() does not wake it."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
 
     async def __anext__(self):
-        await asyncio.Event().wait()
+        item = await self.queue.get()
+        if item is StopAsyncIteration:  # the replica ended the stream
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
-@pytest.mark.parametrize("how", ["shutdown", "marked down"])
-async def test_a_hung_replicas_step_stream_ends_at_shutdown_or_when_marked_down(how):
-    """It waited for the hung replica until shutdown's own 5 s limit cancelled its handler."""
-    from frontends.cluster.app import _until_gone
-    from frontends.cluster.cluster_engine import ReplicaGone
+class StepsHandle:
+    def __init__(self):
+        self.streams: list[Records] = []
 
-    loop = asyncio.get_running_loop()
-    ended, down = loop.create_future(), loop.create_future()
-    reader = asyncio.create_task(anext(_until_gone(HungRecords(), ended, down), "ended"))
-    await asyncio.sleep(0.05)
-    assert not reader.done()
-    if how == "shutdown":
-        ended.set_result(None)
-    else:
-        down.set_exception(ReplicaGone("replica-0 is down"))
-    assert await asyncio.wait_for(reader, 1) == "ended"
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def steps(self):
+        return self
+
+    def remote(self):
+        self.streams.append(Records())
+        return self.streams[-1]
+
+
+def relay_over(num_replicas: int):
+    from frontends.cluster.step_relay import StepRelay
+
+    handles = {f"replica-{i}": StepsHandle() for i in range(num_replicas)}
+    engine = ClusterEngine(tiny_config(replicas=num_replicas), handles, tiny_tokenizer(), 2048)
+    return engine, handles, StepRelay(engine)
+
+
+async def test_watchers_of_a_replica_share_one_step_stream():
+    """Each /v1/engine/steps client held its own streaming call, one of the replica's
+    max_ongoing_requests slots: 65 watchers starved the health probe and the replica, marked
+    down, had its generations cut."""
+    _, handles, relay = relay_over(2)
+    with relay.subscribe("replica-0") as a, relay.subscribe("replica-0") as b, relay.subscribe("replica-1") as c:
+        await asyncio.sleep(0)  # the readers start
+        assert [len(h.streams) for h in handles.values()] == [1, 1] and relay.streams() == 2
+        handles["replica-0"].streams[0].queue.put_nowait("r0")
+        handles["replica-1"].streams[0].queue.put_nowait("r1")
+        assert [await anext(a), await anext(b), await anext(c)] == ["r0", "r0", "r1"]
+        with relay.subscribe("replica-0"):  # a watcher leaving early keeps the stream for the rest
+            pass
+        assert not handles["replica-0"].streams[0].cancelled
+    await asyncio.sleep(0)
+    assert relay.streams() == 0 and all(h.streams[0].cancelled for h in handles.values())  # the last one left
+    with relay.subscribe("replica-0"):
+        await asyncio.sleep(0)
+        assert len(handles["replica-0"].streams) == 2  # a fresh stream for the next watcher
+
+
+@pytest.mark.parametrize("how", ["shutdown", "marked down", "stream ended"])
+async def test_a_replicas_step_stream_ends_at_shutdown_when_marked_down_or_ended(how):
+    """A hung replica's stream waited until shutdown's own 5 s limit cancelled its handler."""
+    engine, handles, relay = relay_over(1)
+    with relay.subscribe("replica-0") as records:
+        reader = asyncio.create_task(anext(records, "ended"))
+        await asyncio.sleep(0.05)
+        assert not reader.done()
+        if how == "shutdown":
+            relay.close()
+        elif how == "marked down":
+            engine._mark_down("replica-0", "probe timed out")
+        else:
+            handles["replica-0"].streams[0].queue.put_nowait(StopAsyncIteration)
+        assert await asyncio.wait_for(reader, 1) == "ended"
+    await asyncio.sleep(0)
+    assert relay.streams() == 0 and handles["replica-0"].streams[0].cancelled
+
+
+class DeadOutputs:
+    async def __anext__(self):
+        raise RuntimeError("ActorDiedError (stand-in)")  # what a dead replica's generate raises
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_every_replica_failing_while_a_request_is_placed_is_replicas_unavailable():
+    """Both replicas died before the probe noticed: the first request, which found out, got the
+    503 a single server gives a dead engine (engine_unavailable, no Retry-After); the next one
+    the documented replicas_unavailable with Retry-After."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from frontends.cluster.app import create_cluster_app
+
+    engine, handles = cluster(ACCEPTED, ACCEPTED)
+    for h in handles:
+        h.remote = lambda *args: DeadOutputs()
+    async with TestClient(TestServer(create_cluster_app(engine))) as client:
+        for _ in range(2):
+            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
+            body = await resp.json()
+            assert resp.status == 503 and body["error"]["code"] == "replicas_unavailable", body
+            assert resp.headers.get("Retry-After") == "1"
 
 
 @pytest.mark.parametrize("ids", [[2**64 - 1] * 16, ["a"] * 16, [-1, 5]])

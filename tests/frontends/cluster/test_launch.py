@@ -72,3 +72,14 @@ def test_a_failed_deployment_names_serves_reason(monkeypatch):
     monkeypatch.setattr(launch.serve, "status", lambda: SimpleNamespace(applications={"replica-0": app}))
     assert launch._deployment_errors(["replica-0", "replica-1"]) == (
         "replica-0: ValueError: device 'cuda': this torch sees no CUDA device")
+
+
+def test_a_malformed_ray_address_is_refused_naming_the_key():
+    """`--ray-address foo` ended in ray.init's traceback (ValueError: Invalid address format)."""
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process: connect would not call ray.init")
+    with pytest.raises(ConnectionError, match=r"\[cluster\] ray_address 'foo': .*give \"auto\", host:port"):
+        launch.Replicas.connect(tiny_config(replicas=1, ray_address="foo"))
+    assert not ray.is_initialized()
