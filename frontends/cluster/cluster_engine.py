@@ -245,10 +245,15 @@ class ClusterEngine:
         return self._down[name]
 
     async def _check_health(self) -> None:
+        """Each replica on its own beat: a hung one's 5 s timeout used to slow every probe."""
         period = self.config.cluster.health_check_ms / 1000
-        while True:
-            await asyncio.gather(*(self._probe(name) for name in self.handles))
-            await asyncio.sleep(period)
+
+        async def beat(name: str) -> None:
+            while True:
+                await self._probe(name)
+                await asyncio.sleep(period)
+
+        await asyncio.gather(*map(beat, self.handles))
 
     async def _probe(self, name: str) -> None:
         timeout = max(5.0, 5 * self.config.cluster.health_check_ms / 1000)

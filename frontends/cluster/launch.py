@@ -54,7 +54,7 @@ class Replicas:
         if cluster.ray_address:
             _check_reachable(cluster.ray_address)  # ray.init retries an address where nothing answers for ever
             try:
-                ray.init(address=cluster.ray_address)
+                ray.init(address=cluster.ray_address, log_to_driver=False)  # as a local Ray: no replica log lines here
             except ValueError as e:  # not an address Ray reads ("foo")
                 raise ConnectionError(f"[cluster] ray_address {cluster.ray_address!r}: {e}; give \"auto\", "
                                       "host:port or ray://host:port") from None
