@@ -239,9 +239,17 @@ class Engine:
         try:
             await asyncio.shield(reply)
         except asyncio.CancelledError:
-            # The caller gave up while intake worked: if intake accepts, abort right after.
-            self._forget(request_id, outputs)
-            reply.add_done_callback(lambda f: f.cancelled() or f.exception() or self.scheduler.abort(request_id))
+            # The caller gave up while intake worked: if intake accepts, abort right after. The
+            # id stays taken until the request is over (a retry under it would get its abort).
+            outputs.abandon()  # forgotten once its final output is put, unread
+
+            def settle(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    self._forget(request_id, outputs)
+                else:
+                    self.scheduler.abort(request_id)
+
+            reply.add_done_callback(settle)
             raise
         except Exception:
             self._forget(request_id, outputs)

@@ -5,14 +5,17 @@ which turns a request's StructuredOutput into a fresh matcher before the request
 scheduler.
 
 Each compile runs on a daemon thread of its own, at most COMPILE_THREADS at once: xgrammar
-cannot interrupt a compile, so one slow schema holds one of them (not every other schema), and
-a process stopping mid-compile exits without waiting for it.
+cannot interrupt a compile, so one slow schema holds one of them (not every other schema). A
+process that ends mid-compile waits for it at exit (saying so): exiting under xgrammar's C++
+aborted the process ("terminate called without an active exception", exit 134).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import re
+import sys
 import threading
 from collections import OrderedDict
 
@@ -27,6 +30,17 @@ DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-token masks: 
 DEFAULT_CACHE_BYTES = 512 << 20  # ... and at most this many bytes of them (a 20,000-value enum takes ~80 MB)
 COMPILE_THREADS = 2
 _NATIVE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[10:42:33] /project/cpp/x.cc:5082: "
+_compiling = 0  # compiles running now, on any cache's threads (guarded by _compiled_cv)
+_compiled_cv = threading.Condition()
+
+
+@atexit.register
+def _wait_for_compiles() -> None:
+    with _compiled_cv:
+        if _compiling:
+            print(f"[stepwise] waiting for {_compiling} JSON schema compile(s) to end before exiting "
+                  "(xgrammar cannot interrupt one)", file=sys.stderr)
+        _compiled_cv.wait_for(lambda: _compiling == 0)
 
 
 class GrammarCache:
@@ -64,9 +78,15 @@ class GrammarCache:
             self.num_hits += 1
             return await asyncio.shield(pending)
         self.num_misses += 1
-        pending = self._pending[key] = asyncio.ensure_future(self._compile_soon(spec))
+        # kept by the compile's own task: a request aborted while it compiles (its caller
+        # cancelled here) used to throw the result away, and the next one compiled it again
+        pending = self._pending[key] = asyncio.ensure_future(self._compile_and_keep(key, spec))
+        pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, if nobody waits
+        return await asyncio.shield(pending)
+
+    async def _compile_and_keep(self, key: str, spec: StructuredOutput) -> xgr.CompiledGrammar:
         try:
-            compiled = await asyncio.shield(pending)
+            compiled = await self._compile_soon(spec)
         finally:
             self._pending.pop(key, None)
         self._compiled[key] = compiled
@@ -87,6 +107,17 @@ class GrammarCache:
     # --- compile threads ----------------------------------------------------------------
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        global _compiling
+        with _compiled_cv:
+            _compiling += 1
+        try:
+            return self._compile_counted(spec)
+        finally:
+            with _compiled_cv:
+                _compiling -= 1
+                _compiled_cv.notify_all()
+
+    def _compile_counted(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         with self._compiler_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from engine import Engine
+from engine.errors import RequestError
 from tests.engine.util import POLICIES, Result, StepRecorder, assert_drained, greedy, run_request, tiny_config
 
 N = 100
@@ -116,6 +117,34 @@ async def test_cancelled_submit_aborts_the_accepted_request(tiny_model):
         assert not engine.scheduler.requests
         steps_with_it = [r for r in await recorder.caught_up() if any(i.request_id == "gave-up" for i in r.items)]
         assert len(steps_with_it) < 10, "the abandoned request kept running towards its 200 tokens"
+
+
+@pytest.mark.parametrize("held", ["compiling", "tokenizing"])
+async def test_a_retry_under_a_cancelled_submits_id_is_refused_until_it_is_over(tiny_model, held):
+    """The id was released at the cancel while intake still held the request, whose abort went
+    out once intake accepted it: a retry under the same id was ended by it ("abort" after 41-113
+    of 300 tokens), or failed as "already in use" after its submit had succeeded."""
+    from engine import SamplingParams, StructuredOutput
+
+    slow = StructuredOutput.from_schema({"enum": [f"value-{i:05d}-" + "x" * 20 for i in range(1500)]})
+    prompt, params = (([5, 6, 7], SamplingParams(max_tokens=8, structured_output=slow)) if held == "compiling"
+                      else ("ab" * 1020, SamplingParams(max_tokens=4)))  # long text: tokenized on intake's thread
+    async with Engine(tiny_config(num_threads=1, calibrate_step_cost=False), loaded=tiny_model) as engine:
+        first = asyncio.create_task(engine.submit(prompt, params, request_id="job"))
+        for _ in range(3):
+            await asyncio.sleep(0)  # intake holds it
+        assert not first.done()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        with pytest.raises(RequestError, match="'job' is already in use"):
+            await engine.submit([5, 6, 7], greedy(300), request_id="job")
+        async with asyncio.timeout(10):
+            while "job" in engine._live:  # until intake is done with the old request and its abort is in
+                await asyncio.sleep(0.01)
+        await assert_drained(engine)
+        retry = await run_request(engine, [5, 6, 7], greedy(300), request_id="job")
+        assert retry.finish_reason == "length" and len(retry.token_ids) == 300
 
 
 async def test_abort_of_unknown_or_finished_ids_leaves_nothing_behind(tiny_model):

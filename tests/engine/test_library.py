@@ -219,3 +219,32 @@ async def test_a_prompt_longer_than_the_kv_pool_names_the_prompt():
         with pytest.raises(ContextLengthError, match="could never run") as refused:
             await engine.submit(list(range(3, 40)), greedy(40))
         assert refused.value.param == "max_tokens"
+
+
+def test_a_program_ending_while_a_schema_compiles_exits_cleanly():
+    """Its interpreter exited under xgrammar's C++ on the compile thread: SIGABRT (exit 134,
+    "terminate called without an active exception") instead of 0."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.engine.util import REPO
+
+    program = (
+        "import asyncio\n"
+        "from engine import Engine, EngineDeadError, SamplingParams, StructuredOutput\n"
+        "from tests.tiny import tiny_config\n"
+        "SLOW = StructuredOutput.from_schema({'enum': [f'value-{i:05d}-' + 'x' * 20 for i in range(8000)]})\n"
+        "async def main():\n"
+        "    async with Engine(tiny_config(num_threads=1, calibrate_step_cost=False)) as engine:\n"
+        "        task = asyncio.create_task(engine.submit([1, 2], SamplingParams(max_tokens=4, structured_output=SLOW)))\n"
+        "        await asyncio.sleep(0.05)\n"
+        "    try:\n"
+        "        await task\n"
+        "    except EngineDeadError:\n"
+        "        pass\n"
+        "asyncio.run(main())\n")
+    done = subprocess.run([sys.executable, "-c", program], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    assert "waiting for 1 JSON schema compile(s) to end before exiting" in done.stderr

@@ -100,6 +100,40 @@ def test_cache_compiles_each_schema_once_and_evicts_least_recent():
     asyncio.run(run())
 
 
+def test_a_compile_whose_caller_gave_up_is_still_kept():
+    """The caller's `finally` kept the result: when it was cancelled (its request aborted
+    mid-compile) the compile was thrown away, and the same schema's next request compiled
+    it again while the first compile still ran."""
+    tok = tiny_tokenizer()
+    cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
+    spec = StructuredOutput.from_schema({"enum": [f"value-{i:05d}" for i in range(300)]})
+
+    async def run():
+        gave_up = asyncio.create_task(cache.get(spec))
+        await asyncio.sleep(0)  # compiling
+        gave_up.cancel()
+        again = await cache.get(spec)  # shares the compile still running, or finds it kept
+        assert cache.num_misses == 1 and await cache.get(spec) is again and len(cache) == 1
+
+    asyncio.run(run())
+
+
+def test_a_schema_that_fails_to_compile_is_not_kept_and_nobody_has_to_wait_for_it():
+    tok = tiny_tokenizer()
+    cache = GrammarCache(tok, VOCAB, frozenset([tok.eos_token_id]))
+    bad = StructuredOutput.from_schema({"type": "string", "pattern": "(unclosed"})
+
+    async def run():
+        gave_up = asyncio.create_task(cache.get(bad))
+        await asyncio.sleep(0)
+        gave_up.cancel()
+        with pytest.raises(RequestError, match="not supported or invalid"):
+            await cache.get(bad)
+        assert len(cache) == 0 and not cache._pending
+
+    asyncio.run(run())
+
+
 def test_cache_is_bounded_by_bytes_as_well():
     """A few schemas with huge enums used to keep ~80 MB each for as long as 256 entries fit."""
     tok = tiny_tokenizer()
