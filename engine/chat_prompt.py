@@ -61,6 +61,7 @@ def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) ->
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template (a pretrained, not instruction-tuned, model): "
                            "send a prompt to /v1/completions instead", "messages")
+    messages = _known_roles(str(tokenizer.chat_template), messages)
     if any(m.get("tool_calls") for m in messages) and _render(tokenizer, messages) == _render(
             tokenizer, [_without_calls(m) for m in messages]):
         messages = [_calls_in_content(m) for m in messages]  # the template drops them
@@ -70,6 +71,26 @@ def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) ->
             return shown
         messages = _tools_in_system(messages, tools)  # the template ignores them
     return _render(tokenizer, messages)
+
+
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _known_roles(template: str, messages: list[dict]) -> list[dict]:
+    """OpenAI's roles, or one the template names (Llama 3.1's "ipython"); anything else is
+    refused, as OpenAI refuses it (a template that prints any role would show the model a
+    "wizard" turn it was never trained on). "developer", OpenAI's newer name for the system
+    turn, is rendered as "system" where the template does not name it, as llama.cpp does
+    (SmolLM2's printed a developer turn and then added its default system prompt before it)."""
+    out = []
+    for m in messages:
+        role = m["role"]
+        named = f"'{role}'" in template or f'"{role}"' in template
+        if role not in OPENAI_ROLES and not named:
+            raise RequestError(f"message role {role!r} is not one of {', '.join(OPENAI_ROLES)}, nor a role this "
+                               "model's chat template names", "messages")
+        out.append({**m, "role": "system"} if role == "developer" and not named else m)
+    return out
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:

@@ -94,3 +94,18 @@ def test_a_completion_gets_the_tokenizers_bos_and_a_chat_only_its_templates():
     # the cluster's ingress tokenizes as intake does
     assert asyncio.run(prompt_ids(tok, "hi", None)) == [0, *plain]
     assert asyncio.run(prompt_ids(tok, None, MESSAGES)) == encode(tok, text, chat=True)
+
+
+def test_roles_are_openai_s_or_the_template_s():
+    """Any role was printed as it came ("wizard"); "developer" rendered as a developer turn, and
+    SmolLM2's template then added its default system prompt in front of it."""
+    tok = copy.deepcopy(tiny_tokenizer())
+    with pytest.raises(RequestError, match="message role 'wizard' is not one of system, developer") as e:
+        chat_prompt(tok, [{"role": "wizard", "content": "hi"}])
+    assert e.value.param == "messages"
+    as_system = chat_prompt(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert chat_prompt(tok, [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]) == as_system
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'ipython' or m['role'] == 'developer' %}[{{ m['role'] }}]"
+                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    assert chat_prompt(tok, [{"role": "ipython", "content": "42"}]) == "[ipython]42"  # a role it names
+    assert chat_prompt(tok, [{"role": "developer", "content": "x"}]) == "[developer]x"  # kept where named
