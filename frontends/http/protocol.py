@@ -15,6 +15,7 @@ error names the field the client sent (the engine's is `logprobs`).
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import TypeVar
 
@@ -288,9 +289,21 @@ def decode(body: bytes, kind: type[T]) -> T:
             raise _unrecognized(param) from None
         raise ApiError(400, f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        raise ApiError(400, f"request body is not valid JSON: {_why(body, e)}") from None
     except RecursionError:  # msgspec decodes nested arrays and objects recursively
         raise ApiError(400, "request body is nested too deeply") from None
+
+
+def _why(body: bytes, e: msgspec.DecodeError) -> str:
+    """msgspec says "Input data was truncated" of a complete body holding a lone UTF-16
+    surrogate escape ("\\ud800"), which is no character: said so instead."""
+    if str(e) == "Input data was truncated":
+        try:
+            json.loads(body)  # Python's json takes lone surrogates: complete JSON, then
+        except (ValueError, RecursionError):
+            return str(e)
+        return "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is no character"
+    return str(e)
 
 
 # --- responses ------------------------------------------------------------------------------

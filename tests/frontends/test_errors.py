@@ -17,6 +17,8 @@ HI = [{"role": "user", "content": "hi"}]
 # (path, body, status, param, message fragment)
 BAD = [
     (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
+    # msgspec called this "truncated" too (session 25 audit)
+    (COMPLETIONS, b'{"prompt": "x", "cache_salt": "\\ud800"}', 400, None, "lone UTF-16 surrogate escape"),
     (COMPLETIONS, b"[]", 400, None, "Expected `object`"),
     (COMPLETIONS, b'{"max_tokens": 3}', 400, "prompt", "missing required field `prompt`"),
     (COMPLETIONS, b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens", "Expected `int | null`, got `str`"),
