@@ -18,7 +18,7 @@ HI = [{"role": "user", "content": "hi"}]
 BAD = [
     (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
     # msgspec called this "truncated" too (session 25 audit)
-    (COMPLETIONS, b'{"prompt": "x", "cache_salt": "\\ud800"}', 400, None, "lone UTF-16 surrogate escape"),
+    (COMPLETIONS, b'{"prompt": "x", "cache_salt": "\\ud800"}', 400, None, "surrogate"),
     (COMPLETIONS, b"[]", 400, None, "Expected `object`"),
     (COMPLETIONS, b'{"max_tokens": 3}', 400, "prompt", "missing required field `prompt`"),
     (COMPLETIONS, b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens", "Expected `int | null`, got `str`"),
@@ -250,3 +250,13 @@ async def test_bad_input_while_loading_is_still_400(tiny_model, aiohttp_client, 
     resp = await client.post(path, json={**own, "temperature": -1, "max_tokens": 3})
     assert resp.status == 400
     assert_openai_error(await resp.json(), "temperature", "temperature")
+
+
+def test_a_lone_surrogate_is_not_called_truncated_input():
+    from frontends.http.errors import ApiError
+    from frontends.http.protocol import CompletionRequest, decode
+
+    with pytest.raises(ApiError, match="lone UTF-16 surrogate escape"):
+        decode(b'{"prompt": "x", "cache_salt": "\\ud800"}', CompletionRequest)
+    with pytest.raises(ApiError, match="not valid JSON: Input data was truncated"):  # truly truncated
+        decode(b'{"prompt": "\\ud83d\\ude00', CompletionRequest)
