@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from concurrent.futures import Executor
 
 from engine.errors import RequestError
@@ -61,7 +62,8 @@ def chat_prompt(tokenizer, messages: object, tools: list[dict] | None = None) ->
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template (a pretrained, not instruction-tuned, model): "
                            "send a prompt to /v1/completions instead", "messages")
-    messages = _known_roles(str(tokenizer.chat_template), messages)
+    template = tokenizer.chat_template  # a str, or a dict of named templates
+    messages = _known_roles(" ".join(template.values()) if isinstance(template, dict) else str(template), messages)
     if any(m.get("tool_calls") for m in messages) and _render(tokenizer, messages) == _render(
             tokenizer, [_without_calls(m) for m in messages]):
         messages = [_calls_in_content(m) for m in messages]  # the template drops them
@@ -85,12 +87,19 @@ def _known_roles(template: str, messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         role = m["role"]
-        named = f"'{role}'" in template or f'"{role}"' in template
+        named = _names(template, role)
         if role not in OPENAI_ROLES and not named:
             raise RequestError(f"message role {role!r} is not one of {', '.join(OPENAI_ROLES)}, nor a role this "
                                "model's chat template names", "messages")
         out.append({**m, "role": "system"} if role == "developer" and not named else m)
     return out
+
+
+def _names(template: str, role: str) -> bool:
+    """Whether the template compares a value with `role` (`== 'ipython'`, `in ['user', 'ipython']`):
+    a quoted word alone may be a key (`message['content']`)."""
+    quoted = f"(?:'{re.escape(role)}'|\"{re.escape(role)}\")"
+    return re.search(rf"[!=]=\s*{quoted}|{quoted}\s*[!=]=|\bin\s*[\[(][^\])]*{quoted}", template) is not None
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:

@@ -39,7 +39,8 @@ SUPPORTED_ARCHITECTURES = ARCHITECTURES
 # GGUF `general.architecture` values whose conversion gives one of ARCHITECTURES (llama.cpp writes
 # Mistral as "llama"; older files say "mistral")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-CHECKED = "header-checked"  # in a conversion directory: _check_header passed (conversions older lack it)
+CHECKED = "header-checked"  # in a conversion directory: which _check_header it passed (older ones lack it)
+HEADER_CHECK = "2\n"  # bumped when _dropped refuses more: conversions checked before are checked again
 
 
 class ModelLoadError(RuntimeError):
@@ -124,11 +125,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{gguf.stem}-{key}"
     done = [d for d in (target, *sorted(cache_dir.glob(f"*-{key}"))) if (d / "done").exists()]
     if done:  # this file's conversion, under this name or another (a renamed copy)
-        if not (done[0] / CHECKED).exists():  # converted before its header was checked as below
+        if _read(done[0] / CHECKED) != HEADER_CHECK:  # converted before its header was checked as below
             arch, _, unsupported = _gguf_header(gguf)
             _check_header(gguf, arch, unsupported)
             with contextlib.suppress(OSError):  # a read-only cache: checked again next time
-                (done[0] / CHECKED).write_text("ok\n")
+                (done[0] / CHECKED).write_text(HEADER_CHECK)
         return done[0]
     arch, num_params, unsupported = _gguf_header(gguf)
     _check_header(gguf, arch, unsupported)  # refused before a conversion it could not use
@@ -151,7 +152,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         reason = str(e).strip()
         raise ModelLoadError(f"{gguf.name}: could not be converted through transformers' GGUF loader: "
                              f"{reason.splitlines()[-1] if reason else type(e).__name__}") from e
-    (tmp / CHECKED).write_text("ok\n")
+    (tmp / CHECKED).write_text(HEADER_CHECK)
     (tmp / "done").write_text("ok\n")
     if not (target / "done").exists():
         shutil.rmtree(target, ignore_errors=True)  # a conversion that did not finish
@@ -162,6 +163,13 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
                 raise
     shutil.rmtree(tmp, ignore_errors=True)  # left over where another conversion finished first
     return target
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _remove_abandoned(target: Path) -> None:
@@ -279,7 +287,11 @@ def _gguf_header(path: Path) -> tuple[str | None, int | None, list[str]]:
         reader = GGUFReader(str(path))
     except Exception:  # noqa: BLE001 - a truncated or foreign file: ValueError, OSError, IndexError, ...
         return None, None, []
-    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    fields = {}
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            with contextlib.suppress(ValueError):  # a string that is not UTF-8 (a description): not one we read
+                fields[name] = field.contents()
     arch = fields.get("general.architecture")
     return arch, sum(int(t.n_elements) for t in reader.tensors), _dropped(arch, fields, [t.name for t in reader.tensors])
 
@@ -295,8 +307,15 @@ def _dropped(arch: str | None, fields: dict, tensors: list[str]) -> list[str]:
     llama.cpp applies), Gemma 2 soft-caps other than the config's defaults, and Gemma 2 27B's
     attention scale (llama.cpp's 1/sqrt(hidden / heads); transformers would take 1/sqrt(256)).
     Served anyway, the model would run plain RoPE or other scales than the file's."""
-    out = [f"{key} = {fields[key]!r}" for key in (f"{arch}.rope.scaling.type",)
-           if fields.get(key, "none") not in ("none", "")]
+    kind = fields.get(f"{arch}.rope.scaling.type", "")
+    # llama.cpp's linear factor: rope.scaling.factor, else the older rope.scale_linear (0: none);
+    # without a type, a factor other than 1 is linear scaling
+    factor_key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in fields), None)
+    factor = float(fields[factor_key]) if factor_key else 0.0
+    out = [f"{arch}.rope.scaling.type = {kind!r}"] if kind not in ("", "none", "linear") else []
+    if kind != "none" and factor not in (0.0, 1.0):
+        out.append(f"{factor_key} = {factor:g}" + (f" ({arch}.rope.scaling.type = {kind!r})" if kind else
+                                                   " (linear scaling, as llama.cpp reads it)"))
     out += sorted({name for name in tensors if name.startswith(("rope_freqs", "rope_factors"))})
     if arch == "gemma2":
         out += [f"{key} = {fields[key]}" for key, default in GEMMA2_SOFTCAPS.items()

@@ -140,6 +140,9 @@ class ClusterEngine:
                 if isinstance(refused, QueueFullError):
                     full[name] = refused
                     continue
+                if isinstance(refused, EngineDeadError):  # its engine died: the probe decides when it is back
+                    self._mark_down(name, refused)
+                    continue
                 raise refused
             self._remotes[request_id] = _Remote(name, outputs, params.n, asyncio.get_running_loop().create_future())
             self._remember(request_id, name)

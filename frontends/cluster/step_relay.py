@@ -59,14 +59,16 @@ class StepRelay:
         self._feeds.clear()
 
     async def _read(self, name: str, fanout: Fanout[object]) -> None:
-        records = self.cluster.handles[name].options(stream=True).steps.remote()
+        records = None
         try:
+            records = self.cluster.handles[name].options(stream=True).steps.remote()
             while True:
                 fanout.publish(await unless(records.__anext__(), self.cluster.went_down(name)))
-        except Exception:  # noqa: BLE001 - StopAsyncIteration, the replica's error, or ReplicaGone
+        except Exception:  # noqa: BLE001 - Ray's own error opening it, StopAsyncIteration, the replica's, ReplicaGone
             pass
         finally:
-            records.cancel()
+            if records is not None:
+                records.cancel()
             fanout.close()
             if self._feeds.get(name, (None,))[0] is fanout:  # the next watcher opens a fresh stream
                 del self._feeds[name]

@@ -120,8 +120,8 @@ async def _submit(state: ServerState, jobs: list[Job], ids: list[str]) -> None:
             raise
         except (RequestError, QueueFullError, EngineDeadError) as e:
             await _abort(state, ids[:k])
-            if isinstance(e, EngineDeadError) and not engine.dead:  # for now (a cluster's replicas all just failed)
-                raise not_ready(engine) from None
+            if isinstance(e, EngineDeadError) and not engine.dead and not engine.ready:  # a cluster's replicas
+                raise not_ready(engine) from None  # all just failed: for now, as the next request is told
             raise from_engine(e) from None
         except RequestAbortedError:  # aborted while its grammar compiled: shutdown's abort
             await _abort(state, ids[:k])

@@ -109,3 +109,9 @@ def test_roles_are_openai_s_or_the_template_s():
                          "{% endif %}{{ m['content'] }}{% endfor %}")
     assert chat_prompt(tok, [{"role": "ipython", "content": "42"}]) == "[ipython]42"  # a role it names
     assert chat_prompt(tok, [{"role": "developer", "content": "x"}]) == "[developer]x"  # kept where named
+    for key in ("content", "role"):  # quoted in every template, as keys: not roles it names
+        with pytest.raises(RequestError, match=f"message role '{key}' is not one of"):
+            chat_prompt(tok, [{"role": key, "content": "x"}])
+    tok.chat_template = {"default": "{% for m in messages %}{% if m.role in ['user', \"ipython\"] %}+{% endif %}"
+                                    "{{ m['content'] }}{% endfor %}"}  # named templates, one with both quotes
+    assert chat_prompt(tok, [{"role": "ipython", "content": "42"}]) == "+42"

@@ -281,8 +281,14 @@ def _gguf_cases():
 
     return {  # transformers' GGUF loader drops each of these (session 25 audit): plain RoPE, default caps
         "llama-linear": ("llama", {"llama.rope.scaling.type": ("linear", T.STRING),
-                                   "llama.rope.scaling.factor": (4.0, T.FLOAT32)}, (), "llama.rope.scaling.type = 'linear'"),
+                                   "llama.rope.scaling.factor": (4.0, T.FLOAT32)}, (),
+                         "llama.rope.scaling.factor = 4 (llama.rope.scaling.type = 'linear')"),
         "llama3-rope-freqs": ("llama", {}, ("rope_freqs.weight",), "rope_freqs.weight"),
+        # llama.cpp scales linearly by a factor without a type, or by the older key (review)
+        "llama-factor-only": ("llama", {"llama.rope.scaling.factor": (4.0, T.FLOAT32)}, (),
+                              "llama.rope.scaling.factor = 4 (linear scaling"),
+        "llama-scale-linear": ("llama", {"llama.rope.scale_linear": (2.0, T.FLOAT32)}, (),
+                               "llama.rope.scale_linear = 2 (linear scaling"),
         "qwen2-yarn": ("qwen2", {"qwen2.rope.scaling.type": ("yarn", T.STRING)}, (), "qwen2.rope.scaling.type = 'yarn'"),
         "phi3-longrope": ("phi3", {}, ("rope_factors_long.weight", "rope_factors_short.weight"),
                           "rope_factors_long.weight; rope_factors_short.weight"),
@@ -293,7 +299,7 @@ def _gguf_cases():
     }
 
 
-@pytest.mark.parametrize("case", ["llama-linear", "llama3-rope-freqs", "qwen2-yarn", "phi3-longrope", "gemma2-softcap",
+@pytest.mark.parametrize("case", ["llama-linear", "llama3-rope-freqs", "llama-factor-only", "llama-scale-linear", "qwen2-yarn", "phi3-longrope", "gemma2-softcap",
                                   "gemma2-27b-scale"])
 def test_a_gguf_saying_what_transformers_drops_is_refused(tmp_path, case):
     """transformers' GGUF loader read none of these, so the file loaded and ran plain RoPE
@@ -309,18 +315,21 @@ def test_a_gguf_saying_what_transformers_drops_is_refused(tmp_path, case):
 def test_a_conversion_cached_before_the_header_check_is_checked_once(tmp_path):
     from gguf import GGUFValueType as T
 
-    from engine.model.loader import CHECKED, _content_key
+    from engine.model.loader import CHECKED, HEADER_CHECK, _content_key
 
     cache = tmp_path / "cache"
-    for name, keys, refused in (("scaled", {"llama.rope.scaling.type": ("linear", T.STRING)}, True),
-                                ("plain", {"llama.rope.scaling.type": ("none", T.STRING)}, False)):
+    for name, keys, refused, marker in (("scaled", {"llama.rope.scaling.type": ("yarn", T.STRING)}, True, None),
+                                        ("older", {"llama.rope.scaling.type": ("yarn", T.STRING)}, True, "1\n"),
+                                        ("plain", {"llama.rope.scaling.type": ("none", T.STRING),
+                                                   "general.description": (b"\xff\xfe", T.STRING)}, False, None)):
         gguf = _header_only_gguf(tmp_path / f"{name}.gguf", "llama", keys)
         old = cache / f"{name}-{_content_key(gguf, cache)}"
         old.mkdir(parents=True)
-        (old / "done").write_text("ok\n")  # an older session's conversion: no CHECKED marker
+        (old / "done").write_text("ok\n")  # an older session's conversion, checked by an older check or none
+        if marker is not None:
+            (old / CHECKED).write_text(marker)
         if refused:
             with pytest.raises(ModelLoadError, match="rope.scaling.type"):
                 convert_gguf(gguf, cache)
-            assert not (old / CHECKED).exists()
-        else:
-            assert convert_gguf(gguf, cache) == old and (old / CHECKED).exists()
+        else:  # a string that is not UTF-8 in a field nobody reads (it raised UnicodeDecodeError)
+            assert convert_gguf(gguf, cache) == old and (old / CHECKED).read_text() == HEADER_CHECK

@@ -193,6 +193,29 @@ async def test_every_replica_failing_while_a_request_is_placed_is_replicas_unava
             assert resp.headers.get("Retry-After") == "1"
 
 
+async def test_a_replica_whose_engine_died_is_routed_around():
+    """Its EngineDeadError refusal was raised as it came (engine_unavailable), and then, with
+    the review's first fix, read as "no engine replica is up" while the other replica was up."""
+    dead = Refusal("EngineDeadError", "scheduler crashed: boom")
+    engine, handles = cluster(dead, ACCEPTED, router="round-robin")
+    request_id = await engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    assert engine._remotes[request_id].replica == "replica-1" and [h.calls for h in handles] == [1, 1]
+    assert engine.router.healthy == {"replica-1"}  # the probe brings it back once it answers
+
+
+async def test_a_step_stream_that_cannot_open_ends_its_watchers():
+    """Ray's remote() raising left the feed open for ever: every watcher of that replica hung."""
+    engine, handles, relay = relay_over(1)
+
+    def refuse():
+        raise RuntimeError("cannot open a stream")
+
+    handles["replica-0"].remote = refuse
+    with relay.subscribe("replica-0") as records:
+        assert await asyncio.wait_for(anext(records, "ended"), 1) == "ended"
+    assert relay.streams() == 0
+
+
 @pytest.mark.parametrize("ids", [[2**64 - 1] * 16, ["a"] * 16, [-1, 5]])
 async def test_prompt_ids_the_model_lacks_are_refused_as_intake_refuses_them(ids):
     """The ingress hashed them first: OverflowError / TypeError (a 500) instead of the 400."""
