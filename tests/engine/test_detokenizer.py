@@ -19,6 +19,9 @@ class CountingTokenizer:
         self.decoded_lengths.append(len(ids))
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def __getattr__(self, name):  # which ids are special, ...
+        return getattr(self.inner, name)
+
 
 def byte_ids(tok, data: bytes) -> list[int]:
     """Token ids of raw bytes (one token per byte), invalid UTF-8 included."""
@@ -68,3 +71,42 @@ def test_a_partial_character_at_the_end_is_sent_as_fffd():
         detok.push(t)
     assert detok.take() == "ab"
     assert detok.take(final=True) == FFFD
+
+
+def run(tok, prompt: bytes, ids: list[int], stop: list[str] | None = None) -> tuple[str, Detokenizer]:
+    detok = Detokenizer(tok, byte_ids(tok, prompt), stop or [])
+    out = ""
+    for t in ids:
+        detok.push(t)
+        out += detok.take()
+        if detok.hit_stop:
+            break
+    return out + detok.take(final=True), detok
+
+
+def specials(tok, *names: str) -> list[int]:
+    return [tok.inner.convert_tokens_to_ids(n) for n in names]
+
+
+def test_special_tokens_around_a_split_character_do_not_give_it_up():
+    """A skipped special token counted as a pending token: after one, a 4-byte character's 3rd
+    byte forced it out as U+FFFD, and its last byte was never shown (transformers: the character)."""
+    tok = CountingTokenizer()
+    cases = [specials(tok, "<|im_end|>") + byte_ids(tok, "😀x".encode()),
+             specials(tok, "<|im_start|>", "<|endoftext|>") + byte_ids(tok, "中".encode()),
+             byte_ids(tok, b"\xf0") + specials(tok, "<|im_end|>") + byte_ids(tok, "😀".encode()[1:] + b"y")]
+    for ids in cases:
+        text, _ = run(tok, b"hi", ids)
+        assert text == tok.inner.decode(ids, skip_special_tokens=True) and FFFD not in text
+
+
+def test_a_stop_string_after_a_special_token_is_found():
+    tok = CountingTokenizer()
+    text, detok = run(tok, b"hi a", specials(tok, "<|im_end|>") + byte_ids(tok, "😀b".encode()), ["😀"])
+    assert detok.hit_stop and text == ""
+
+
+def test_a_run_of_special_tokens_costs_bounded_work():
+    tok = CountingTokenizer()
+    text, _ = run(tok, b"hi", specials(tok, "<|im_end|>") * 500 + byte_ids(tok, b"ok"))
+    assert text == "ok" and max(tok.decoded_lengths) <= PROMPT_CONTEXT + 2 * MAX_PENDING_TOKENS
