@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import EngineConfig, ServerConfig, all_keys
 from frontends.cli import build_parser, load_config
+from frontends.http.state import STATE
 from tests.reliability.util import CHAT, COMPLETIONS, REPO, is_openai_error, live_server, tiny_config
 
 KEY = "sk-reliability"
@@ -52,11 +53,12 @@ async def test_the_server_binds_loopback_by_default(tiny_model):
 
 
 def v1_routes(frontend) -> list[tuple[str, str]]:
+    """(method, path) of every /v1/ route, a path's variable filled in (/v1/models/{model})."""
     routes = []
     for route in frontend.runner.app.router.routes():
         path = route.resource.canonical if route.resource else ""
         if path.startswith("/v1/") and route.method in ("GET", "POST"):
-            routes.append((route.method, path))
+            routes.append((route.method, path.replace("{model}", frontend.runner.app[STATE].model_name)))
     return sorted(set(routes))
 
 
