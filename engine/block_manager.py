@@ -32,6 +32,7 @@ class Admit(msgspec.Struct, frozen=True, array_like=True):
     max_new_tokens: int
     min_new_tokens: int  # all-or-nothing policies ask for every token at once
     cache_salt: str | None = None  # shares blocks only with requests of the same salt
+    counted: bool = True  # in the hit rate: False for a preempted request finding its own blocks again
 
 
 class KVStep(msgspec.Struct, tag=True):
@@ -131,7 +132,7 @@ class BlockManager:
                 admitted[a.request_id] = Admitted(0, 0)
                 continue
             cached, new = pool.admit(a.request_id, a.token_ids if a.lookup else None, len(a.token_ids),
-                                     a.max_new_tokens, a.min_new_tokens, salted_root(a.cache_salt))
+                                     a.max_new_tokens, a.min_new_tokens, salted_root(a.cache_salt), a.counted)
             admitted[a.request_id] = Admitted(cached, new)
             if new:
                 tables[a.request_id] = pool.tables[a.request_id]

@@ -81,7 +81,7 @@ class BlockPool:
                               root)
 
     def _allocate(self, request_id: str, num_tokens: int, hits: list[int], queried: int,
-                  root: bytes | None = None) -> Allocation | None:
+                  root: bytes | None = None, counted: bool = True) -> Allocation | None:
         table = self.tables.get(request_id, [])
         needed = self.blocks_for(num_tokens) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
@@ -101,7 +101,7 @@ class BlockPool:
             self.tables[request_id] = table
             self.num_hashed[request_id] = len(hits)
             self.last_hash[request_id] = self.block_hash[hits[-1]] if hits else root  # its chain starts there
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and counted:
                 self.num_queried_tokens += queried  # only once granted: a refusal changes nothing
                 self.num_hit_tokens += len(hits) * self.block_size
         for b in hits:
@@ -139,11 +139,12 @@ class BlockPool:
             self.cow[parent_id] = self.cow[child_id] = num_tokens // self.block_size
 
     def admit(self, request_id: str, token_ids: list[int] | None, total: int, max_new: int, min_new: int,
-              root: bytes | None = None) -> tuple[int, int]:
+              root: bytes | None = None, counted: bool = True) -> tuple[int, int]:
         """Start a request that holds no blocks: look its prefix up among `token_ids` (None =
         no lookup), then take blocks for as many of its next tokens as fit, at most `max_new`
         (and at least `min_new`, else nothing). `total` = tokens it has; `root`: its blocks'
-        chain starts there (its cache_salt's). Returns (num_cached_tokens, num_new_tokens);
+        chain starts there (its cache_salt's); `counted`: its lookup goes into the hit rate (not
+        a preempted request's, which finds its own blocks). Returns (num_cached_tokens, num_new_tokens);
         (0, 0) = refused, nothing changed."""
         assert request_id not in self.tables, f"{request_id} is already admitted"
         hits = self._lookup(token_ids, root) if token_ids is not None and self.enable_prefix_caching else []
@@ -153,7 +154,8 @@ class BlockPool:
         n = min(max_new, total - cached, (len(hits) + room) * self.block_size - cached)
         if n < max(min(min_new, total - cached), 1):  # all-or-nothing counts what is left after the hits
             return 0, 0
-        alloc = self._allocate(request_id, cached + n, hits, len(token_ids) if token_ids is not None else 0, root)
+        queried = len(token_ids) if token_ids is not None and counted else 0
+        alloc = self._allocate(request_id, cached + n, hits, queried, root, counted)
         assert alloc is not None
         return cached, n
 

@@ -15,6 +15,7 @@ import functools
 import gc
 import itertools
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -235,7 +236,7 @@ class Engine:
         reply = asyncio.get_running_loop().create_future()
         self._in_intake.add(request_id)
         reply.add_done_callback(lambda _: self._in_intake.discard(request_id))
-        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params, outputs, reply))
+        self.intake.inbox.put_nowait(Submit(request_id, prompt, messages, params, outputs, reply, time.monotonic()))
         try:
             await asyncio.shield(reply)
         except asyncio.CancelledError:

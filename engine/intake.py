@@ -158,7 +158,7 @@ class Intake:
                                 msg.params.include_stop_str_in_output)
             grammar = self.grammars.matcher(compiled) if compiled is not None else None
             return Request(request_id, ids, msg.params, detok, self.eos_token_ids, arrival, msg.outputs,
-                           choice_seed(seed, index), grammar, index, msg.request_id)
+                           choice_seed(seed, index), grammar, index, msg.request_id, msg.arrival_time)
 
         request = choice(0)
         request.pending_forks = [choice(i) for i in range(1, msg.params.n)]

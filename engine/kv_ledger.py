@@ -61,7 +61,7 @@ class KVLedger:
         return True
 
     def admit(self, request_id: str, token_ids: list[int], lookup: bool, max_new: int, min_new: int,
-              cache_salt: str | None = None) -> int:
+              cache_salt: str | None = None, counted: bool = True) -> int:
         """Plan to start a request with up to `max_new` tokens (at least `min_new`), assuming no
         prefix hit. Returns the tokens planned, 0 = no room."""
         n = min(max_new, self.num_free_blocks * self.block_size)
@@ -69,7 +69,7 @@ class KVLedger:
             return 0
         self.num_free_blocks -= self.blocks_for(n)
         self.held[request_id] = self.blocks_for(n)
-        self._admits.append(Admit(request_id, token_ids, lookup, max_new, min_new, cache_salt))
+        self._admits.append(Admit(request_id, token_ids, lookup, max_new, min_new, cache_salt, counted))
         return n
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:

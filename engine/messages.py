@@ -57,12 +57,14 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True):
 class FinishedRequest(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
     finish_reason: str
-    e2e_s: float  # arrival to final output
-    num_prompt_tokens: int
+    e2e_s: float  # arrival (submit) to final output
+    num_prompt_tokens: int  # each choice of an n > 1 request has the whole prompt
     num_generated_tokens: int
-    queue_s: float = 0.0  # arrival to first scheduled
-    prefill_s: float = 0.0  # first scheduled to first token
-    decode_s: float = 0.0  # first token to the end
+    # each phase's time, None where the request never reached it (aborted while waiting, or
+    # before its first token)
+    queue_s: float | None = None  # arrival to first scheduled
+    prefill_s: float | None = None  # first scheduled to first token
+    decode_s: float | None = None  # first token to the end
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,7 +89,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     predicted_s: float | None = None  # the step-cost model's forward time for this step, before it ran
     num_prompt_tokens: int = 0  # prompt tokens of the requests whose prefill completed this step (first token)
-    num_prefix_queries: int = 0  # tokens of this step's admissions looked up in the prefix cache (hits: num_cached_tokens)
+    # tokens of this step's first admissions looked up in the prefix cache, and found there (a
+    # preempted request finding its own blocks again is in num_cached_tokens, not in these)
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
 
     @property
     def is_idle(self) -> bool:
@@ -190,7 +195,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     items: list[PlanItem]
     token_budget: int
     num_cached_tokens: int = 0
-    num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's admissions
+    num_prefix_queries: int = 0  # tokens looked up in the prefix cache for this step's first admissions
+    num_prefix_hits: int = 0  # ... and found there
     predicted_s: float | None = None  # the step-cost model's forward time (None: not fitted yet)
     shape: StepShape | None = None  # what the cost model sees of it (set by the scheduler; None: a hand-made plan)
     block_copies: list[tuple[int, int]] = []  # (src, dst) KV blocks to copy before the forward (copy-on-write)
@@ -233,6 +239,7 @@ class Submit(msgspec.Struct, tag=True):
     params: SamplingParams
     outputs: OutputBuffer  # where the scheduler will put this request's outputs
     reply: asyncio.Future  # -> None once accepted, or the exception that refused it
+    arrival_time: float  # time.monotonic() at submit: TTFT, e2e and queue time count intake's work
 
 
 IntakeMsg = Submit | AbortRequest | Shutdown

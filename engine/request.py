@@ -171,6 +171,7 @@ class Request:
         grammar: object | None = None,
         index: int = 0,
         group_id: str | None = None,
+        arrival_time: float | None = None,
     ):
         self.request_id = request_id
         self.index = index  # the choice this request is (0 unless n > 1)
@@ -185,7 +186,8 @@ class Request:
         self.stop_ids = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival = arrival  # monotonic counter: FCFS order and "newest" for preemption
         self.sort_key = (params.priority, arrival, index)  # the queues' order (all three never change)
-        self.arrival_time = time.monotonic()
+        # submitted (the engine's, before tokenizing and any grammar compile), else now
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.scheduled_time: float | None = None  # first admitted
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -74,7 +74,8 @@ class Scheduler:
         self.dead: str | None = None
         self._num_adds_pending = 0  # AddRequests in the inbox, not yet applied
         self._cached_this_step = 0  # prefix-cache hits of the step being planned
-        self._queried_this_step = 0  # tokens looked up in the prefix cache for it
+        self._queried_this_step = 0  # tokens looked up in the prefix cache for it (first lookups)
+        self._hit_this_step = 0  # ... and found there
         self._finished: list[FinishedRequest] = []  # left since the last StepRecord
 
     # --- the loop ---------------------------------------------------------------------
@@ -203,7 +204,7 @@ class Scheduler:
         lookup = self.policy.uses_prefix_cache and req.params.prompt_logprobs is None
         n = self.ledger.admit(req.request_id, req.all_token_ids, lookup,
                               min(max_new_tokens, req.num_tokens), min(min_new_tokens, req.num_tokens),
-                              req.params.cache_salt)
+                              req.params.cache_salt, counted=req.num_preemptions == 0)
         if n:
             self.waiting.remove(req)
             req.status = Status.RUNNING
@@ -219,10 +220,10 @@ class Scheduler:
         scheduled, first = req.scheduled_time, req.first_token_time
         self._finished.append(FinishedRequest(
             req.request_id, req.finish_reason or "abort", now - req.arrival_time,
-            req.num_prompt_tokens if req.index == 0 else 0, len(req.output_token_ids),  # n > 1: the prompt once
-            queue_s=(scheduled if scheduled is not None else now) - req.arrival_time,
-            prefill_s=first - scheduled if first is not None and scheduled is not None else 0.0,
-            decode_s=now - first if first is not None else 0.0,
+            req.num_prompt_tokens, len(req.output_token_ids),
+            queue_s=scheduled - req.arrival_time if scheduled is not None else None,
+            prefill_s=first - scheduled if first is not None and scheduled is not None else None,
+            decode_s=now - first if first is not None else None,
         ))
 
     # --- state changes ----------------------------------------------------------------
@@ -301,11 +302,12 @@ class Scheduler:
                 d.num_tokens = got.num_new_tokens
                 if req.scheduled_time is None:  # granted: its queue time ends (not when planned: may be refused)
                     req.scheduled_time = self.clock()
-                if req.num_preemptions == 0:
+                self._cached_this_step += got.num_cached_tokens  # compute saved, a preempted one's own blocks too
+                if req.num_preemptions == 0:  # a first lookup (vLLM leaves a preempted one's out of its hit rate)
                     req.num_cached_tokens = got.num_cached_tokens
-                self._cached_this_step += got.num_cached_tokens
-                if self.policy.uses_prefix_cache and req.params.prompt_logprobs is None:
-                    self._queried_this_step += req.num_tokens
+                    self._hit_this_step += got.num_cached_tokens
+                    if self.policy.uses_prefix_cache and req.params.prompt_logprobs is None:
+                        self._queried_this_step += req.num_tokens
             if d.num_tokens and req.status is not Status.RUNNING:
                 continue  # preempted just now
             kept.append(d)
@@ -339,9 +341,10 @@ class Scheduler:
             ))
         cached, self._cached_this_step = self._cached_this_step, 0
         queried, self._queried_this_step = self._queried_this_step, 0
+        hit, self._hit_this_step = self._hit_this_step, 0
         shape = items_shape(items)
         return StepPlan(step=self.step, items=items, token_budget=self.policy.token_budget, num_cached_tokens=cached,
-                        num_prefix_queries=queried, block_copies=self.ledger.take_copies(), shape=shape,
+                        num_prefix_queries=queried, num_prefix_hits=hit, block_copies=self.ledger.take_copies(), shape=shape,
                         predicted_s=self.cost.predict(shape) if self.cost.is_fitted else None)
 
     def _update(self, decisions: list[Decision], result: StepResult) -> tuple[list[float], list[float]]:
@@ -436,6 +439,7 @@ class Scheduler:
             kv_usage=self.ledger.usage, num_preemptions=self.num_preemptions, ttft_s=latencies[0],
             itl_s=latencies[1], finished=self._finished, error=result.error, predicted_s=plan.predicted_s,
             num_prompt_tokens=self.outputs.num_prompt_tokens, num_prefix_queries=plan.num_prefix_queries,
+            num_prefix_hits=plan.num_prefix_hits,
         ))
         self.outputs.num_prompt_tokens = 0
         self._finished = []

@@ -101,11 +101,15 @@ class Metrics:
         for f in rec.finished:
             self.request_success.labels(name, f.finish_reason).inc()
             self.e2e.labels(name).observe(f.e2e_s)
-            self.request_prompt_tokens.labels(name).observe(f.num_prompt_tokens)
             self.request_generation_tokens.labels(name).observe(f.num_generated_tokens)
-            self.queue_time.labels(name).observe(f.queue_s)
-            self.prefill_time.labels(name).observe(f.prefill_s)
-            self.decode_time.labels(name).observe(f.decode_s)
+            # a phase is observed once reached (an abort while waiting has no prefill of 0 s),
+            # a prompt once prefilled (as prompt_tokens_total counts it), for each choice (vLLM's)
+            for histogram, seconds in ((self.queue_time, f.queue_s), (self.prefill_time, f.prefill_s),
+                                       (self.decode_time, f.decode_s)):
+                if seconds is not None:
+                    histogram.labels(name).observe(seconds)
+            if f.prefill_s is not None:
+                self.request_prompt_tokens.labels(name).observe(f.num_prompt_tokens)
         if rec.is_idle:
             return
         self.steps.labels(policy).inc()
@@ -117,7 +121,7 @@ class Metrics:
             self.step_errors.labels(policy).inc()
         self.prompt_tokens.labels(name).inc(rec.num_prompt_tokens)
         self.prefix_queries.labels(name).inc(rec.num_prefix_queries)
-        self.prefix_hits.labels(name).inc(rec.num_cached_tokens)
+        self.prefix_hits.labels(name).inc(rec.num_prefix_hits)
         self.iteration_tokens.labels(name).observe(rec.num_prefill_tokens + rec.num_decode_tokens)
         self.generation_tokens.labels(name).inc(len(rec.ttft_s) + len(rec.itl_s))  # one per sampled token
         for t in rec.ttft_s:
