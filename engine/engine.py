@@ -100,6 +100,10 @@ class Engine:
         # on the engine's thread, not the caller's: another engine's setting must not leak into this one
         await on_thread(torch.set_num_threads, cfg.model.num_threads or DEFAULT_THREADS)
         loaded = self._loaded or await on_thread(load_model, cfg.model.model, cfg.model.resolved_cache_dir(), dtype)
+        if loaded.hf_model.dtype != dtype:  # `loaded=` a model loaded in another dtype: it would run in that one
+            raise ValueError(f"[model] dtype {cfg.model.dtype!r}, but the model passed as loaded= holds "
+                             f"{str(loaded.hf_model.dtype).removeprefix('torch.')} weights: load it with "
+                             f"load_model(..., dtype=DTYPES[{cfg.model.dtype!r}]), or set dtype to match")
         kv_name = cfg.cache.kv_dtype_for(cfg.model.dtype)
         kv_dtype = DTYPES[kv_name]
         # may compile the kernel; refuses a backend that cannot run these dtypes
@@ -115,7 +119,7 @@ class Engine:
         shape = model.shape
         kv_cache = await on_thread(KVCache, shape.num_layers, cfg.cache.num_blocks, cfg.cache.block_size,
                                    shape.num_kv_heads, shape.head_dim, kv_dtype, device)
-        print(f"[stepwise] model {name} on {device}, {backend.name} attention, {model.linear} linears, "
+        print(f"[stepwise] model {name} ({cfg.model.dtype}) on {device}, {backend.name} attention, {model.linear} linears, "
               f"{model.weight_format} weights; "
               f"KV pool {cfg.cache.num_blocks} blocks x {cfg.cache.block_size} tokens = "
               f"{kv_cache.num_bytes / 2**20:.0f} MiB ({kv_name})", file=sys.stderr)

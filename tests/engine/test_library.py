@@ -211,6 +211,16 @@ def test_model_loads_run_one_at_a_time(monkeypatch, tmp_path):
     assert most[0] == 1
 
 
+async def test_a_loaded_model_in_another_dtype_is_refused(tiny_model):
+    """`loaded=` fp32 weights under dtype = "bfloat16" ran fp32 weights (with a bf16 KV cache),
+    unlike a real bf16 engine; bf16 weights under "float32" failed every request."""
+    with pytest.raises(ValueError, match=r"\[model\] dtype 'bfloat16', but the model passed as loaded= holds "
+                                         r"float32 weights"):
+        async with Engine(tiny_config(dtype="bfloat16", attention_backend="torch", linear_backend="torch"),
+                          loaded=tiny_model):
+            pass
+
+
 async def test_a_prompt_longer_than_the_kv_pool_names_the_prompt():
     async with Engine(tiny_config(num_threads=1, num_blocks=4, block_size=16, calibrate_step_cost=False)) as engine:
         with pytest.raises(ContextLengthError, match="could never run") as refused:
