@@ -107,7 +107,8 @@ def cpu_info() -> CpuInfo:
 # per pair of rows; since its outer-product panels (session 13) it is 3-17 % faster than the
 # dense copies at 16-64 rows (contexts of 200) and even with them at ~128 (projections alone),
 # so 64: every decode step of a 64-sequence batch. The int8 kernel ("gguf-q8") has no panels
-# and loses above 16 rows (24 rows: 1.09x the dense time), so it stops there on every path.
+# and loses above 16 rows (24 rows: 1.09x the dense time), so it stops there, or at the
+# path's own limit where that is lower (8 on an AVX-512 CPU, whose dense GEMM wins earlier).
 # Here, not in the kernel's module, so the simulator (no torch) splits its step-cost fits where
 # the engine switches.
 KERNEL_ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma"), "portable": ()}
