@@ -21,6 +21,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # request_success's series, there from the start
 
 
 class SnapshotGauges(Collector):
@@ -77,6 +78,8 @@ class Metrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        m + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM's: rate() sees the first one
+            self.request_success.labels(model_name, reason)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", m, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
                               buckets=LATENCY_BUCKETS, registry=r)

@@ -54,6 +54,14 @@ async def test_metric_families(tiny):
         assert families.get(name) == kind, name
 
 
+async def test_finish_reason_series_start_at_zero(tiny_model):
+    """They appeared at their first increment, so rate() over them missed it (vLLM pre-creates them)."""
+    async with serving(tiny_model, tiny_config()) as (_, client):
+        text = await (await client.get("/metrics")).text()
+    for reason in ("stop", "length", "abort", "error"):
+        assert metric(text, "vllm:request_success_total", finished_reason=reason) == 0, reason
+
+
 async def test_counts_follow_requests(tiny_model):
     async with serving(tiny_model, tiny_config(policy="chunked")) as (engine, client):
         resp = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
