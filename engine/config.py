@@ -26,6 +26,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # auto = the model's dtype
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "int8")
 ROUTERS = ("prefix", "round-robin", "least-loaded")
+# Cluster keys only the prefix-affinity router reads.
+PREFIX_ROUTER_KEYS = ("balance_abs_threshold", "balance_rel_threshold", "max_prefix_entries", "prefix_min_share")
 WEIGHT_FORMATS = ("auto", "dequantized", "gguf", "gguf-q8")
 
 
@@ -178,23 +180,22 @@ class ClusterConfig:
         _require(self.health_check_ms >= 10, "health_check_ms", "must be >= 10")
         _require(not (self.ray_address and self.ray_num_cpus), "ray_num_cpus",
                  "sizes a local Ray only; with ray_address the cluster's own CPUs are used: remove it")
-        if self.replicas == 0:  # one engine in this process: a cluster setting would be silently unused
-            for f in fields(self):
-                if f.name != "replicas" and getattr(self, f.name) != f.default:
-                    _require(False, f.name, "has no effect with replicas = 0 (one engine in this process); "
-                             "set [cluster] replicas >= 1 (or --replicas N) or remove it")
-
+        # one engine in this process: a cluster setting would be silently unused
+        if self.replicas == 0 and (unused := self._set_keys()):
+            _require(False, unused[0], "has no effect with replicas = 0 (one engine in this process); "
+                     "set [cluster] replicas >= 1 (or --replicas N) or remove it")
 
     def unread_router_keys(self) -> list[str]:
         """Prefix-router keys set (away from their defaults) under another router, which never
         reads them. Not refused by validate: engine-sim may sweep the router with them set."""
         if self.router == "prefix":
             return []
-        return [f.name for f in fields(self) if f.name in PREFIX_ROUTER_KEYS and getattr(self, f.name) != f.default]
+        return [name for name in self._set_keys() if name in PREFIX_ROUTER_KEYS]
 
+    def _set_keys(self) -> list[str]:
+        """The keys set away from their defaults."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
-# Cluster keys only the prefix-affinity router reads.
-PREFIX_ROUTER_KEYS = ("balance_abs_threshold", "balance_rel_threshold", "max_prefix_entries", "prefix_min_share")
 
 SECTIONS = {"model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "server": ServerConfig,
             "cluster": ClusterConfig}

@@ -6,7 +6,8 @@ MAX_PENDING_TOKENS tokens (a UTF-8 character has at most 4 bytes, so a longer ru
 bytes: it is released with its U+FFFD and decoding moves on, so each token costs a bounded
 decode). Special tokens, which decode to nothing, do not count: one before (or inside) a
 character split over byte tokens used to give the character up as U+FFFD and hide a stop
-string holding it; special tokens with nothing else pending are passed over at once; a partial character left when the request ends is released as U+FFFD; text that could be
+string holding it; special tokens with nothing else pending are passed over at once. A
+partial character left when the request ends is released as U+FFFD; text that could be
 the start of a stop string is held until it is known not to be one, and a stop string found
 (even across token boundaries) is cut together with everything after it (or kept, and only
 what follows it cut, with `include_stop`). As vLLM, a stop string must end in the text of a
