@@ -134,7 +134,6 @@ class SimReplica:
         return None
 
     def add(self, req: Request) -> None:
-        req.arrival_time = asyncio.get_running_loop().time()  # the scheduler's clock, not the wall's
         self.scheduler.add(req)
 
     async def stop(self) -> None:

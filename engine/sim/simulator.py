@@ -124,7 +124,8 @@ async def _simulate(trace, config, calibration, num_replicas, router_name, keep_
         replica = replicas[int(name)]
         params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, priority=r.priority)
         delivery = Delivery(timing, loop.time, received, lambda: finished(i, name))
-        req = Request(str(i), ids, params, NullDetokenizer(), None, next(arrival_order), delivery, seed=0)
+        req = Request(str(i), ids, params, NullDetokenizer(), None, next(arrival_order), delivery, seed=0,
+                      arrival_time=now)  # the scheduler's clock, not the wall's
         why = replica.refusal(req)
         if why is not None:
             timing.ok, timing.error, timing.end = False, f"refused: {why}", now

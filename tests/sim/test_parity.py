@@ -42,8 +42,8 @@ async def reference(trace, cfg) -> list:
         while pending and pending[0][1].arrival_s <= t:
             i, r = pending.pop(0)
             params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, priority=r.priority)
-            req = Request(str(i), traces.token_ids(r, i), params, NullDetokenizer(), None, i, OutputBuffer(1 << 20), seed=0)
-            req.arrival_time = t
+            req = Request(str(i), traces.token_ids(r, i), params, NullDetokenizer(), None, i, OutputBuffer(1 << 20), seed=0,
+                          arrival_time=t)
             requests.append(req)
             sched.add(req)
 
